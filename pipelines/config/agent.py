@@ -1,0 +1,57 @@
+"""How one trajectory is run: turn, image and context limits, sampling, error handling."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from pipelines.config.base import Section
+
+
+class AgentConfig(Section):
+    """Limits and behaviour of the shared agent loop (used by RL rollouts and by evaluation)."""
+
+    max_turns_train: int = Field(5, ge=1, le=100)
+    """Maximum assistant turns per trajectory in RL rollouts (paper: 5)."""
+
+    max_turns_eval: int = Field(30, ge=1, le=200)
+    """Maximum assistant turns per trajectory in evaluation (paper: 30)."""
+
+    max_images: int = Field(32, ge=1, le=1024)
+    """Maximum images in one trajectory's context, input images included (paper: 32)."""
+
+    max_context_tokens: int = Field(32768, ge=256, le=1_048_576)
+    """Maximum tokens in the context (prompt + all turns); beyond it the trajectory stops with
+    `context_overflow`."""
+
+    max_new_tokens_per_turn: int = Field(2048, ge=8, le=65536)
+    """Maximum tokens the model may generate in one assistant turn."""
+
+    temperature: float = Field(1.0, ge=0.0, le=5.0)
+    """Sampling temperature for rollouts (0 means greedy)."""
+
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling threshold for rollouts."""
+
+    eval_temperature: float = Field(0.0, ge=0.0, le=5.0)
+    """Sampling temperature in evaluation (0 means greedy, deterministic)."""
+
+    on_error: Literal["feedback", "terminate"] = "feedback"
+    """`feedback`: a failing code block's traceback goes back to the model inside
+    `<interpreter>`; `terminate`: the trajectory ends with `tool_error` (the original code's
+    behaviour)."""
+
+    image_min_pixels: int = Field(3136, ge=784, le=100_000_000)
+    """Smallest pixel count an image is resized to before it enters the model's context."""
+
+    image_max_pixels: int = Field(2_000_000, ge=784, le=100_000_000)
+    """Largest pixel count an image is resized to before it enters the model's context (the
+    sandbox always holds the full-resolution original)."""
+
+    video_context: Literal["on_demand", "uniform"] = "on_demand"
+    """`on_demand`: no frames in the context, the model samples frames with code (the paper);
+    `uniform`: a baseline that puts uniformly sampled frames in the context."""
+
+    uniform_frames: int = Field(16, ge=1, le=1024)
+    """Frames put in the context by the `uniform` video baseline."""

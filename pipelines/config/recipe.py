@@ -1,0 +1,74 @@
+"""A recipe: one YAML file that describes a whole run, every stage included.
+
+Stage commands read the sections they need; `pyvision run` reads all of them. The shipped recipes
+live in ``pipelines/recipes/`` and are validated by ``tests/test_config.py``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+
+from pipelines.config.agent import AgentConfig
+from pipelines.config.base import Section
+from pipelines.config.data import DataConfig
+from pipelines.config.eval import EvalConfig
+from pipelines.config.loader import load_config
+from pipelines.config.model import ModelConfig
+from pipelines.config.report import ReportConfig
+from pipelines.config.reward import RewardConfig
+from pipelines.config.rl import RLConfig
+from pipelines.config.sandbox import SandboxConfig
+from pipelines.config.sft import SFTConfig
+
+RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+DEFAULT_RECIPE = RECIPES_DIR / "tiny-cpu.yaml"
+
+
+class Recipe(Section):
+    """Everything a run needs, stage by stage."""
+
+    name: str = Field("unnamed", min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")
+    """Short name, used in run ids and reports."""
+
+    description: str = ""
+    """What the recipe runs, on what hardware, and how long it takes."""
+
+    seed: int = Field(0, ge=0, le=2**31 - 1)
+    """Global seed: data generation, sampling, training."""
+
+    runs_dir: str = "runs"
+    """Directory holding `<run-id>/<stage>/` run directories."""
+
+    model: ModelConfig = ModelConfig()
+    """The base model."""
+
+    data: DataConfig = DataConfig()
+    """Data stage."""
+
+    agent: AgentConfig = AgentConfig()
+    """Agent loop limits and sampling."""
+
+    sandbox: SandboxConfig = SandboxConfig()
+    """Sandbox limits."""
+
+    sft: SFTConfig = SFTConfig()
+    """SFT stage (LLaMA-Factory)."""
+
+    rl: RLConfig = RLConfig()
+    """RL stage (local engine or verl)."""
+
+    reward: RewardConfig = RewardConfig()
+    """Reward terms and judge."""
+
+    eval: EvalConfig = EvalConfig()
+    """Evaluation stage."""
+
+    report: ReportConfig = ReportConfig()
+    """Report stage."""
+
+
+def load_recipe(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
+    """Load a recipe file (default: the embedded tiny-cpu recipe) with `--set` overrides."""
+    return load_config(Recipe, path if path is not None else DEFAULT_RECIPE, overrides)

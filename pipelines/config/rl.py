@@ -1,0 +1,162 @@
+"""Reinforcement learning: the PyVision rollout strategy, GRPO, and the two engines."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from pipelines.config.base import Section
+
+
+class StrategyConfig(Section):
+    """Oversample, filter, rank (the PyVision rollout strategy). Each part can be switched off."""
+
+    oversample_factor: float = Field(2.0, ge=1.0, le=64.0)
+    """Groups generated per step = ceil(factor x prompts_per_step)."""
+
+    filter_zero_variance: bool = True
+    """Drop groups whose rewards are all equal (they carry no GRPO signal)."""
+
+    filter_broken: bool = True
+    """Drop trajectories that ended in context overflow, the image limit, or malformed output."""
+
+    filter_no_image: bool = False
+    """Also drop trajectories that never produced an image in any observation."""
+
+    rank_by_std: bool = True
+    """Keep the groups with the highest reward std (ties broken by prompt index); off: keep the
+    first groups in generation order."""
+
+
+class AlgorithmConfig(Section):
+    """GRPO advantage and PPO-clip loss."""
+
+    norm_adv_by_std: bool = False
+    """Divide advantages by the group std (paper: off, A = r - mean)."""
+
+    clip_ratio_low: float = Field(0.2, ge=0.0, le=10.0)
+    """PPO clip epsilon below 1."""
+
+    clip_ratio_high: float = Field(0.2, ge=0.0, le=10.0)
+    """PPO clip epsilon above 1 (DAPO clip-higher uses 0.28)."""
+
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                           "seq-mean-token-sum-norm"] = "token-mean"
+    """How token losses are aggregated (verl's names; paper: token-mean)."""
+
+    kl_coef: float = Field(0.0, ge=0.0, le=10.0)
+    """KL penalty to the reference policy (0: no reference model, as in the paper)."""
+
+    entropy_coef: float = Field(0.0, ge=0.0, le=1.0)
+    """Entropy bonus coefficient (paper: 0)."""
+
+
+class LocalEngineConfig(Section):
+    """The single-process engine (CPU or one GPU) used by the embedded default."""
+
+    steps: int = Field(20, ge=1, le=1_000_000)
+    """Training steps."""
+
+    ppo_epochs: int = Field(1, ge=1, le=100)
+    """Passes over each step's batch."""
+
+    mini_batch_groups: int = Field(4, ge=1, le=100_000)
+    """Groups per optimiser update within a step."""
+
+    grad_clip: float = Field(1.0, gt=0.0, le=1000.0)
+    """Gradient-norm clip."""
+
+    weight_decay: float = Field(0.01, ge=0.0, le=1.0)
+    """AdamW weight decay."""
+
+    save_every: int = Field(10, ge=1, le=1_000_000)
+    """Checkpoint every N steps (HF weights + optimizer + RNG state)."""
+
+    threads: int = Field(0, ge=0, le=1024)
+    """torch CPU threads (0: torch's default)."""
+
+
+class VerlEngineConfig(Section):
+    """Launch settings of verl (Ray, FSDP, vLLM rollouts)."""
+
+    python: str = "python"
+    """Interpreter of the environment that has `verl[vllm]`."""
+
+    ray_address: str | None = None
+    """Ray cluster address (`auto`, `ray://head:10001`); None starts a local Ray."""
+
+    nnodes: int = Field(1, ge=1, le=4096)
+    """Nodes in the Ray cluster."""
+
+    gpus_per_node: int = Field(8, ge=1, le=64)
+    """GPUs per node."""
+
+    rollout_name: Literal["vllm", "sglang"] = "vllm"
+    """verl rollout backend."""
+
+    gpu_memory_utilization: float = Field(0.6, gt=0.0, le=1.0)
+    """Fraction of GPU memory the rollout engine may use."""
+
+    tensor_model_parallel_size: int = Field(1, ge=1, le=64)
+    """Rollout tensor parallelism."""
+
+    total_epochs: int = Field(5, ge=1, le=10_000)
+    """Epochs over the RL data (paper: 5)."""
+
+    save_freq: int = Field(10, ge=1, le=1_000_000)
+    """Checkpoint every N steps (paper: 10)."""
+
+    test_freq: int = Field(20, ge=-1, le=1_000_000)
+    """Validate every N steps (paper: 20; -1 disables)."""
+
+    extra_overrides: list[str] = []
+    """Hydra overrides appended verbatim (`key=value`), for settings not modelled here."""
+
+
+class RLConfig(Section):
+    """RL stage settings shared by both engines."""
+
+    engine: Literal["local", "verl"] = "local"
+    """`local`: one process (CPU or one GPU); `verl`: Ray + FSDP + vLLM."""
+
+    prompts_per_step: int = Field(64, ge=1, le=1_000_000)
+    """Prompts (groups) in one training batch (paper: 64)."""
+
+    n: int = Field(8, ge=2, le=1024)
+    """Rollouts per prompt, the GRPO group size (paper: 8)."""
+
+    learning_rate: float = Field(1e-6, gt=0.0, le=1.0)
+    """Constant learning rate (paper: 1e-6)."""
+
+    mini_batch_prompts: int = Field(16, ge=1, le=1_000_000)
+    """Prompts per PPO mini-batch (paper: 16, i.e. 4 updates per step)."""
+
+    max_prompt_tokens: int = Field(16384, ge=64, le=1_048_576)
+    """Longest prompt (question + initial images) in tokens."""
+
+    max_response_tokens: int = Field(16384, ge=64, le=1_048_576)
+    """Longest response (all turns, observations included) in tokens."""
+
+    freeze_vision_tower: bool = True
+    """Keep the ViT frozen (paper default)."""
+
+    strategy: StrategyConfig = StrategyConfig()
+    """Oversample, filter, rank."""
+
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    """Advantage and loss."""
+
+    local: LocalEngineConfig = LocalEngineConfig()
+    """Settings of the local engine."""
+
+    verl: VerlEngineConfig = VerlEngineConfig()
+    """Settings of the verl engine."""
+
+    @model_validator(mode="after")
+    def _mini_batch_fits(self) -> "RLConfig":
+        if self.mini_batch_prompts > self.prompts_per_step:
+            raise ValueError(
+                f"mini_batch_prompts ({self.mini_batch_prompts}) must be <= prompts_per_step "
+                f"({self.prompts_per_step})")
+        return self

@@ -1,0 +1,55 @@
+"""Errors that reach the user.
+
+A :class:`UserError` is something the user can fix (a bad config key, a missing file, an
+unreachable endpoint). The CLI prints its message on one line, without a traceback, and exits with
+code 2. Everything else is a bug and propagates with its traceback.
+
+Messages follow one shape: *what* went wrong, *where* (file, line, key, URL), and *how to fix it*.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class UserError(Exception):
+    """An error caused by user input; the CLI reports it in one line and exits with code 2."""
+
+    exit_code = 2
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        self.message = message
+        self.hint = hint
+        super().__init__(self.one_line())
+
+    def one_line(self) -> str:
+        text = self.message.rstrip(". ")
+        if self.hint:
+            text += f". Fix: {self.hint.rstrip('. ')}"
+        return text.replace("\n", " ") + "."
+
+
+class ConfigError(UserError):
+    """A recipe or `--set` override that does not validate."""
+
+
+class DataError(UserError):
+    """A dataset row, media file or JSONL line that cannot be used."""
+
+
+class EndpointError(UserError):
+    """A model, judge or hub endpoint that does not answer after bounded retries."""
+
+
+class SubprocessFailed(UserError):
+    """An external engine (LLaMA-Factory, verl, lmms-eval) exited with an error."""
+
+
+def require_file(path: str | Path, what: str, hint: str | None = None) -> Path:
+    """Return ``path`` as a Path if it is an existing file, else raise a :class:`UserError`."""
+    p = Path(path)
+    if not p.exists():
+        raise UserError(f"{what} not found: {p}", hint=hint or "check the path")
+    if not p.is_file():
+        raise UserError(f"{what} is not a file: {p}", hint=hint or "pass a file, not a directory")
+    return p

@@ -1,0 +1,179 @@
+"""Run directories: ``<runs_dir>/<run-id>/<stage>/`` that describe themselves.
+
+Each stage directory holds ``config.yaml`` (the resolved recipe, every default spelled out),
+``environment.json`` (package versions, Python, git sha, command line) and, written last,
+``manifest.json`` (outputs and summary). The manifest's existence means "this stage finished":
+a re-run skips such a stage unless ``--force``. A re-run with a different resolved config is refused
+rather than mixing two configs under one run id.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import importlib.metadata as md
+import json
+import platform
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+from pydantic import BaseModel
+
+from pipelines.errors import UserError
+from pipelines.fsutil import atomic_write_json, atomic_write_text
+
+STAGES = ("data", "sft", "rl", "merge", "eval", "report")
+KEY_PACKAGES = ("torch", "torchvision", "transformers", "verl", "llamafactory", "lmms-eval",
+                "vllm", "duckdb", "datasets", "huggingface-hub", "pydantic", "typer", "decord",
+                "av", "pillow", "numpy", "math-verify", "pyvision-rl")
+_RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def package_versions(names: tuple[str, ...] = KEY_PACKAGES) -> dict[str, str | None]:
+    """Installed versions, read from metadata (imports nothing)."""
+    out: dict[str, str | None] = {}
+    for name in names:
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def git_sha(cwd: str | Path | None = None) -> str | None:
+    """The checkout's commit (with ``-dirty`` when it has local changes), or None."""
+    where = Path(cwd) if cwd else Path(__file__).resolve().parent.parent
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=where, capture_output=True,
+                             text=True, timeout=5, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=where, capture_output=True, text=True, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return sha + ("-dirty" if dirty else "") if sha else None
+
+
+def new_run_id(name: str) -> str:
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return f"{name}-{stamp}"
+
+
+def check_run_id(run_id: str) -> str:
+    if not _RUN_ID_RE.match(run_id):
+        raise UserError(f"invalid run id '{run_id}'",
+                        hint="use letters, digits, '.', '_' and '-' (at most 128 characters)")
+    return run_id
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(d, dict):
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix.rstrip("."): d}
+
+
+@dataclass
+class StageDir:
+    """One stage of one run, on disk and in the store."""
+
+    runs_dir: Path
+    run_id: str
+    stage: str
+    config: BaseModel
+    store: Any = None
+    recipe_path: str | None = None
+    started: bool = field(default=False, init=False)
+
+    @property
+    def path(self) -> Path:
+        return self.runs_dir / self.run_id / self.stage
+
+    @property
+    def run_path(self) -> Path:
+        return self.runs_dir / self.run_id
+
+    @property
+    def manifest_path(self) -> Path:
+        return self.path / "manifest.json"
+
+    def is_complete(self) -> bool:
+        return self.manifest_path.is_file()
+
+    def manifest(self) -> dict[str, Any]:
+        return json.loads(self.manifest_path.read_text(encoding="utf-8"))
+
+    def _config_dict(self) -> dict[str, Any]:
+        return self.config.model_dump(mode="json")
+
+    def check_same_config(self) -> None:
+        """Refuse to continue a run whose stored config differs from this one."""
+        stored = self.path / "config.yaml"
+        if not stored.is_file():
+            return
+        old = _flatten(yaml.safe_load(stored.read_text(encoding="utf-8")) or {})
+        new = _flatten(self._config_dict())
+        changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+        if changed:
+            shown = ", ".join(changed[:5]) + (" ..." if len(changed) > 5 else "")
+            raise UserError(
+                f"run '{self.run_id}' stage '{self.stage}' was made with a different config "
+                f"({shown} changed)", hint="pass --force to redo the stage, or --run-id NEW "
+                "for a separate run")
+
+    def begin(self, *, force: bool = False) -> None:
+        """Create the stage directory and record config and environment (manifest comes last)."""
+        if force and self.path.exists():
+            shutil.rmtree(self.path)
+        elif not force:
+            self.check_same_config()
+        self.path.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(self.path / "config.yaml",
+                          yaml.safe_dump(self._config_dict(), sort_keys=False))
+        atomic_write_json(self.path / "environment.json", {
+            "python": sys.version.split()[0],
+            "platform": platform.platform(),
+            "argv": sys.argv,
+            "git_sha": git_sha(),
+            "packages": package_versions(),
+            "started_at": _dt.datetime.now().isoformat(timespec="seconds"),
+        })
+        if self.store is not None:
+            self.store.upsert_run(self.run_id, getattr(self.config, "name", self.run_id),
+                                  recipe_path=self.recipe_path, config=self._config_dict(),
+                                  git_sha=git_sha())
+            self.store.set_stage(self.run_id, self.stage, "running", run_dir=str(self.path))
+        self.started = True
+
+    def finish(self, outputs: Mapping[str, Any], summary: Mapping[str, Any] | None = None) -> dict:
+        """Write ``manifest.json`` (last) and mark the stage done in the store."""
+        manifest = {
+            "run_id": self.run_id,
+            "stage": self.stage,
+            "finished_at": _dt.datetime.now().isoformat(timespec="seconds"),
+            "outputs": dict(outputs),
+            "summary": dict(summary or {}),
+        }
+        atomic_write_json(self.manifest_path, manifest)
+        if self.store is not None:
+            self.store.set_stage(self.run_id, self.stage, "done", summary=manifest["summary"])
+        return manifest
+
+    def fail(self, message: str) -> None:
+        if self.store is not None:
+            self.store.set_stage(self.run_id, self.stage, "failed", summary={"error": message})
+
+
+def stage_dir(config: BaseModel, stage: str, run_id: str | None, *, runs_dir: str | Path | None,
+              store: Any = None, recipe_path: str | None = None) -> StageDir:
+    """The StageDir for ``stage`` of ``run_id`` (default run id: the recipe's name)."""
+    name = getattr(config, "name", "run")
+    rid = check_run_id(run_id or name)
+    root = Path(runs_dir if runs_dir is not None else getattr(config, "runs_dir", "runs"))
+    return StageDir(root, rid, stage, config, store=store, recipe_path=recipe_path)

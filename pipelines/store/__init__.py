@@ -1,0 +1,369 @@
+"""The experiment store: one DuckDB file holding every run, metric and evaluation result.
+
+This module is the only place in the project that writes SQL. Other modules call its methods.
+
+Concurrency model. DuckDB lets one process write a database file at a time (other processes may
+read when no process holds it for writing). The store therefore opens a short-lived connection
+per operation and retries while another process holds the lock, so a training run streaming
+metrics and a `pyvision report` in another terminal can take turns. Every write runs in one
+transaction: a reader sees all of it or none of it. Within a process, a lock serialises writers
+from several threads.
+
+Schema. Migrations are the numbered SQL files in ``migrations/``, applied in order, each in its
+own transaction, and recorded in ``schema_version``. A store written by a newer pyvision (a
+higher version than this code knows) is refused rather than silently misread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import random
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Sequence
+
+import duckdb
+
+from pipelines.errors import UserError
+
+DEFAULT_STORE = Path("runs") / "pyvision.duckdb"
+MIGRATIONS_DIR = Path(__file__).with_name("migrations")
+_LOCK_WAIT_S = 60.0
+_WRITE_LOCK = threading.RLock()
+
+
+def resolve_store_path(cli_value: str | Path | None = None) -> Path:
+    """`--store PATH`, else `$PYVISION_STORE`, else `runs/pyvision.duckdb`."""
+    if cli_value:
+        return Path(cli_value)
+    env = os.environ.get("PYVISION_STORE")
+    return Path(env) if env else DEFAULT_STORE
+
+
+def _migrations() -> list[tuple[int, str, str]]:
+    out = []
+    for path in sorted(MIGRATIONS_DIR.glob("*.sql")):
+        number = int(path.name.split("_", 1)[0])
+        out.append((number, path.stem, path.read_text(encoding="utf-8")))
+    return out
+
+
+SCHEMA_VERSION = max(n for n, _, _ in _migrations())
+
+
+def _is_lock_error(exc: Exception) -> bool:
+    text = str(exc).lower()
+    return "lock" in text or "conflicting" in text or "being used" in text
+
+
+@dataclass(frozen=True)
+class EvalRecord:
+    """One evaluated sample: its trajectory summary plus the scores it earned."""
+
+    run_id: str
+    model: str
+    benchmark: str
+    sample_id: str
+    benchmark_version: str
+    prompt_version: str
+    prompt_hash: str
+    scorer: str
+    prediction: str | None
+    stop_reason: str | None
+    turns: int
+    tool_calls: int
+    failed_calls: int
+    visual_tokens: int
+    total_tokens: int
+    duration_s: float
+    trajectory: Mapping[str, Any] | None
+    scores: Mapping[str, float]
+
+
+class Store:
+    """A DuckDB experiment store at ``path`` (created and migrated on first use)."""
+
+    def __init__(self, path: str | Path | None = None, *, read_only: bool = False) -> None:
+        self.path = resolve_store_path(path)
+        self.read_only = read_only
+        if read_only:
+            if not self.path.exists():
+                raise UserError(f"store not found: {self.path}",
+                                hint="run a stage first, or pass --store / set PYVISION_STORE")
+            self._check_version()
+        else:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.migrate()
+
+    # -- connections -------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _connect(self) -> Iterator[duckdb.DuckDBPyConnection]:
+        deadline = time.monotonic() + _LOCK_WAIT_S
+        delay = 0.01
+        while True:
+            try:
+                con = duckdb.connect(str(self.path), read_only=self.read_only)
+                break
+            except duckdb.Error as exc:
+                if not _is_lock_error(exc) or time.monotonic() > deadline:
+                    if _is_lock_error(exc):
+                        raise UserError(
+                            f"store {self.path} is held by another process for over "
+                            f"{_LOCK_WAIT_S:.0f} s", hint="wait for it to finish or use --store "
+                            "to write elsewhere") from None
+                    raise
+                time.sleep(delay * (1 + random.random()))
+                delay = min(delay * 2, 0.5)
+        try:
+            yield con
+        finally:
+            con.close()
+
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[duckdb.DuckDBPyConnection]:
+        if self.read_only:
+            raise RuntimeError("this Store was opened read-only")
+        with _WRITE_LOCK, self._connect() as con:
+            con.execute("BEGIN TRANSACTION")
+            try:
+                yield con
+            except BaseException:
+                con.execute("ROLLBACK")
+                raise
+            con.execute("COMMIT")
+
+    def _query(self, sql: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
+        with self._connect() as con:
+            cur = con.execute(sql, list(params))
+            cols = [d[0] for d in cur.description]
+            return [dict(zip(cols, row)) for row in cur.fetchall()]
+
+    # -- schema ------------------------------------------------------------------------------
+
+    def schema_version(self) -> int:
+        with self._connect() as con:
+            exists = con.execute(
+                "SELECT count(*) FROM information_schema.tables WHERE table_name='schema_version'"
+            ).fetchone()[0]
+            if not exists:
+                return 0
+            return int(con.execute("SELECT coalesce(max(version), 0) FROM schema_version")
+                       .fetchone()[0])
+
+    def _check_version(self) -> int:
+        version = self.schema_version()
+        if version > SCHEMA_VERSION:
+            raise UserError(
+                f"store {self.path} has schema version {version}, newer than this pyvision "
+                f"understands ({SCHEMA_VERSION})", hint="upgrade pyvision or use another --store")
+        return version
+
+    def migrate(self) -> int:
+        """Apply pending migrations; return the schema version."""
+        with _WRITE_LOCK, self._connect() as con:
+            con.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER PRIMARY KEY, "
+                        "name VARCHAR, applied_at TIMESTAMP DEFAULT current_timestamp)")
+            current = int(con.execute("SELECT coalesce(max(version), 0) FROM schema_version")
+                          .fetchone()[0])
+            if current > SCHEMA_VERSION:
+                raise UserError(
+                    f"store {self.path} has schema version {current}, newer than this pyvision "
+                    f"understands ({SCHEMA_VERSION})", hint="upgrade pyvision or use another --store")
+            for number, name, sql in _migrations():
+                if number <= current:
+                    continue
+                con.execute("BEGIN TRANSACTION")
+                try:
+                    con.execute(sql)
+                    con.execute("INSERT INTO schema_version (version, name) VALUES (?, ?)",
+                                [number, name])
+                except BaseException:
+                    con.execute("ROLLBACK")
+                    raise
+                con.execute("COMMIT")
+                current = number
+        return current
+
+    # -- runs and stages ---------------------------------------------------------------------
+
+    def upsert_run(self, run_id: str, name: str, *, recipe_path: str | None = None,
+                   config: Mapping[str, Any] | None = None, git_sha: str | None = None) -> None:
+        with self._transaction() as con:
+            con.execute(
+                "INSERT INTO runs (run_id, name, recipe_path, config_json, git_sha) "
+                "VALUES (?, ?, ?, ?, ?) ON CONFLICT (run_id) DO UPDATE SET name=excluded.name, "
+                "recipe_path=excluded.recipe_path, config_json=excluded.config_json, "
+                "git_sha=excluded.git_sha",
+                [run_id, name, recipe_path, json.dumps(config) if config is not None else None,
+                 git_sha])
+
+    def runs(self) -> list[dict[str, Any]]:
+        return self._query("SELECT run_id, name, recipe_path, git_sha, created_at FROM runs "
+                           "ORDER BY created_at, run_id")
+
+    def set_stage(self, run_id: str, stage: str, status: str, *, run_dir: str | None = None,
+                  summary: Mapping[str, Any] | None = None) -> None:
+        if status not in ("running", "done", "failed"):
+            raise ValueError(f"bad stage status {status!r}")
+        now_col = "started_at" if status == "running" else "finished_at"
+        with self._transaction() as con:
+            con.execute(
+                f"INSERT INTO stages (run_id, stage, status, run_dir, {now_col}, summary) "
+                f"VALUES (?, ?, ?, ?, current_timestamp, ?) ON CONFLICT (run_id, stage) DO UPDATE "
+                f"SET status=excluded.status, run_dir=coalesce(excluded.run_dir, stages.run_dir), "
+                f"{now_col}=excluded.{now_col}, "
+                f"summary=coalesce(excluded.summary, stages.summary)",
+                [run_id, stage, status, run_dir,
+                 json.dumps(summary) if summary is not None else None])
+
+    def stages(self, run_id: str) -> list[dict[str, Any]]:
+        rows = self._query("SELECT stage, status, run_dir, started_at, finished_at, summary "
+                           "FROM stages WHERE run_id = ? ORDER BY started_at NULLS LAST, stage",
+                           [run_id])
+        for row in rows:
+            row["summary"] = json.loads(row["summary"]) if row["summary"] else None
+        return rows
+
+    # -- metrics -----------------------------------------------------------------------------
+
+    def log_metrics(self, run_id: str, stage: str, step: int,
+                    metrics: Mapping[str, float | int | None]) -> None:
+        """Record one step's metrics atomically (non-finite values are stored as NULL)."""
+        rows = []
+        for name, value in metrics.items():
+            v = None if value is None else float(value)
+            if v is not None and (v != v or v in (float("inf"), float("-inf"))):
+                v = None
+            rows.append([run_id, stage, int(step), str(name), v])
+        if not rows:
+            return
+        with self._transaction() as con:
+            con.executemany("INSERT INTO metrics (run_id, stage, step, name, value) "
+                            "VALUES (?, ?, ?, ?, ?)", rows)
+
+    def metrics(self, run_id: str, stage: str | None = None,
+                names: Sequence[str] | None = None) -> list[dict[str, Any]]:
+        sql = "SELECT run_id, stage, step, name, value, time FROM metrics WHERE run_id = ?"
+        params: list[Any] = [run_id]
+        if stage is not None:
+            sql += " AND stage = ?"
+            params.append(stage)
+        if names:
+            sql += f" AND name IN ({', '.join('?' for _ in names)})"
+            params.extend(names)
+        return self._query(sql + " ORDER BY stage, step, name, time", params)
+
+    def last_step(self, run_id: str, stage: str) -> int | None:
+        rows = self._query("SELECT max(step) AS s FROM metrics WHERE run_id = ? AND stage = ?",
+                           [run_id, stage])
+        return None if rows[0]["s"] is None else int(rows[0]["s"])
+
+    def delete_metrics_after(self, run_id: str, stage: str, step: int) -> None:
+        """Forget metrics logged after ``step`` (a resumed run re-logs them)."""
+        with self._transaction() as con:
+            con.execute("DELETE FROM metrics WHERE run_id = ? AND stage = ? AND step > ?",
+                        [run_id, stage, step])
+
+    # -- evaluation --------------------------------------------------------------------------
+
+    def add_eval_record(self, rec: EvalRecord) -> None:
+        """Store one evaluated sample and its per-sample scores in one transaction."""
+        with self._transaction() as con:
+            key = [rec.run_id, rec.model, rec.benchmark, rec.sample_id]
+            con.execute("DELETE FROM eval_scores WHERE run_id=? AND model=? AND benchmark=? "
+                        "AND sample_id=?", key)
+            con.execute("DELETE FROM eval_trajectories WHERE run_id=? AND model=? AND "
+                        "benchmark=? AND sample_id=?", key)
+            con.execute(
+                "INSERT INTO eval_trajectories (run_id, model, benchmark, sample_id, "
+                "benchmark_version, prompt_version, prompt_hash, scorer, prediction, stop_reason, "
+                "turns, tool_calls, failed_calls, visual_tokens, total_tokens, duration_s, "
+                "trajectory) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                key + [rec.benchmark_version, rec.prompt_version, rec.prompt_hash, rec.scorer,
+                       rec.prediction, rec.stop_reason, rec.turns, rec.tool_calls,
+                       rec.failed_calls, rec.visual_tokens, rec.total_tokens, rec.duration_s,
+                       json.dumps(rec.trajectory) if rec.trajectory is not None else None])
+            if rec.scores:
+                con.executemany(
+                    "INSERT INTO eval_scores (run_id, model, benchmark, sample_id, metric, value) "
+                    "VALUES (?, ?, ?, ?, ?, ?)",
+                    [key + [m, None if v is None else float(v)] for m, v in rec.scores.items()])
+
+    def eval_sample_ids(self, run_id: str, model: str, benchmark: str) -> set[str]:
+        rows = self._query("SELECT sample_id FROM eval_trajectories WHERE run_id=? AND model=? "
+                           "AND benchmark=?", [run_id, model, benchmark])
+        return {r["sample_id"] for r in rows}
+
+    def eval_records(self, run_id: str, model: str | None = None, benchmark: str | None = None,
+                     with_trajectory: bool = False) -> list[dict[str, Any]]:
+        cols = ("run_id, model, benchmark, sample_id, benchmark_version, prompt_version, "
+                "prompt_hash, scorer, prediction, stop_reason, turns, tool_calls, failed_calls, "
+                "visual_tokens, total_tokens, duration_s")
+        if with_trajectory:
+            cols += ", trajectory"
+        sql = f"SELECT {cols} FROM eval_trajectories WHERE run_id = ?"
+        params: list[Any] = [run_id]
+        if model is not None:
+            sql += " AND model = ?"
+            params.append(model)
+        if benchmark is not None:
+            sql += " AND benchmark = ?"
+            params.append(benchmark)
+        rows = self._query(sql + " ORDER BY model, benchmark, sample_id", params)
+        if with_trajectory:
+            for row in rows:
+                row["trajectory"] = json.loads(row["trajectory"]) if row["trajectory"] else None
+        return rows
+
+    def eval_scores(self, run_id: str, model: str, benchmark: str) -> dict[str, dict[str, float]]:
+        """``{sample_id: {metric: value}}`` for one model on one benchmark."""
+        out: dict[str, dict[str, float]] = {}
+        for r in self._query("SELECT sample_id, metric, value FROM eval_scores WHERE run_id=? "
+                             "AND model=? AND benchmark=?", [run_id, model, benchmark]):
+            out.setdefault(r["sample_id"], {})[r["metric"]] = r["value"]
+        return out
+
+    def set_eval_aggregate(self, run_id: str, model: str, benchmark: str,
+                           metrics: Mapping[str, float], *, n: int, benchmark_version: str,
+                           prompt_version: str, scorer: str) -> None:
+        """Replace the aggregate scores of one model on one benchmark."""
+        with self._transaction() as con:
+            con.execute("DELETE FROM eval_aggregates WHERE run_id=? AND model=? AND benchmark=?",
+                        [run_id, model, benchmark])
+            con.executemany(
+                "INSERT INTO eval_aggregates (run_id, model, benchmark, metric, value, n, "
+                "benchmark_version, prompt_version, scorer) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                [[run_id, model, benchmark, m, float(v), n, benchmark_version, prompt_version,
+                  scorer] for m, v in metrics.items()])
+
+    def eval_aggregates(self, run_ids: Sequence[str] | None = None) -> list[dict[str, Any]]:
+        sql = ("SELECT run_id, model, benchmark, metric, value, n, benchmark_version, "
+               "prompt_version, scorer, created_at FROM eval_aggregates")
+        params: list[Any] = []
+        if run_ids:
+            sql += f" WHERE run_id IN ({', '.join('?' for _ in run_ids)})"
+            params.extend(run_ids)
+        return self._query(sql + " ORDER BY run_id, benchmark, model, metric", params)
+
+    # -- judge cache -------------------------------------------------------------------------
+
+    @staticmethod
+    def judge_key(model: str, prompt: str) -> str:
+        return hashlib.sha256(f"{model}\x00{prompt}".encode()).hexdigest()
+
+    def judge_get(self, key: str) -> dict[str, Any] | None:
+        rows = self._query("SELECT key, model, response, verdict FROM judge_cache WHERE key = ?",
+                           [key])
+        return rows[0] if rows else None
+
+    def judge_put(self, key: str, model: str, response: str, verdict: float | None) -> None:
+        with self._transaction() as con:
+            con.execute("INSERT INTO judge_cache (key, model, response, verdict) VALUES "
+                        "(?, ?, ?, ?) ON CONFLICT (key) DO UPDATE SET response=excluded.response, "
+                        "verdict=excluded.verdict", [key, model, response, verdict])

@@ -1,0 +1,104 @@
+"""What every command shares: options, consoles, error handling, JSON output.
+
+Conventions: progress, tables and messages go to stderr (``err``); data goes to stdout, as JSON
+with ``--json``. A :class:`pipelines.errors.UserError` becomes one red line on stderr and exit
+code 2; ``--debug`` (or ``PYVISION_DEBUG=1``) adds the traceback. This module imports no ML
+library, so every command's ``--help`` is instant.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import click
+import typer
+from rich.console import Console
+from typer.core import TyperGroup
+
+from pipelines.errors import UserError
+
+err = Console(stderr=True, highlight=False)
+
+
+def debug_enabled() -> bool:
+    return os.environ.get("PYVISION_DEBUG", "").lower() in ("1", "true", "yes")
+
+
+class UserFacingError(click.ClickException):
+    """A UserError on its way out through click: one line on stderr, exit code 2."""
+
+    exit_code = 2
+
+    def show(self, file: Any = None) -> None:  # noqa: ARG002 - click's signature
+        err.print(f"[bold red]error:[/] {self.message}", soft_wrap=True)
+
+
+def _reraise_user_errors(call, *args, **kwargs):
+    try:
+        return call(*args, **kwargs)
+    except UserError as exc:
+        if debug_enabled():
+            traceback.print_exc(file=sys.stderr)
+        raise UserFacingError(exc.one_line()) from exc
+
+
+class PyVisionGroup(TyperGroup):
+    """A Typer group whose commands report UserError as one line with exit code 2."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        return _reraise_user_errors(super().invoke, ctx)
+
+
+class PyVisionCommand(typer.core.TyperCommand):
+    """A single Typer command with the same UserError handling."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        return _reraise_user_errors(super().invoke, ctx)
+
+
+def make_app(help: str, **kwargs: Any) -> typer.Typer:
+    """A Typer app with the project's conventions (no completion, no rich tracebacks)."""
+    return typer.Typer(help=help, cls=PyVisionGroup, no_args_is_help=kwargs.pop("no_args_is_help", True),
+                       add_completion=False, pretty_exceptions_enable=False,
+                       context_settings={"help_option_names": ["-h", "--help"]}, **kwargs)
+
+
+def command(app: typer.Typer, name: str | None = None, **kwargs: Any):
+    """``@command(app)``: register a command that reports UserError as exit 2."""
+    return app.command(name, cls=PyVisionCommand, **kwargs)
+
+
+# -- shared options --------------------------------------------------------------------------
+
+ConfigOpt = Annotated[Optional[Path], typer.Option(
+    "--config", "-c", help="Recipe YAML (default: pipelines/recipes/tiny-cpu.yaml).",
+    show_default=False)]
+SetOpt = Annotated[Optional[list[str]], typer.Option(
+    "--set", help="Override a recipe key, e.g. --set rl.learning_rate=1e-6 (repeatable).",
+    show_default=False)]
+StoreOpt = Annotated[Optional[Path], typer.Option(
+    "--store", envvar="PYVISION_STORE",
+    help="DuckDB store file [default: runs/pyvision.duckdb].", show_default=False)]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout.")]
+ForceOpt = Annotated[bool, typer.Option("--force", help="Redo stages that already finished.")]
+RunIdOpt = Annotated[Optional[str], typer.Option(
+    "--run-id", help="Run id: runs/<run-id>/<stage>/ [default: the recipe's name].",
+    show_default=False)]
+
+
+def load_recipe(config: Path | None, sets: list[str] | None):
+    """The recipe from ``-c`` (default: tiny-cpu) with ``--set`` overrides applied."""
+    from pipelines.config.recipe import load_recipe as _load
+
+    return _load(config, tuple(sets or ()))
+
+
+def print_json(obj: Any) -> None:
+    """Write ``obj`` as JSON to stdout (the only thing a ``--json`` command prints there)."""
+    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
+    sys.stdout.flush()

@@ -1,0 +1,87 @@
+"""`pyvision`: the command-line entry point.
+
+Each command lives in its own module (``pyvision_cli/<name>.py``, exposing a Typer ``app``) and is
+imported only when invoked, so ``pyvision --help`` starts in well under a second and imports no
+ML library. The table below is the single place where commands are registered.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Any
+
+import click
+import typer
+
+from pyvision_cli.common import PyVisionGroup, make_app
+
+# name -> (module, one-line help). Order is the order shown in --help: the pipeline first.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "run": ("pyvision_cli.run", "Run a recipe end to end: data, sft, rl, merge, eval, report."),
+    "data": ("pyvision_cli.data", "Synthesise, download, import, validate and export data."),
+    "sft": ("pyvision_cli.sft", "Supervised fine-tuning on LLaMA-Factory."),
+    "rl": ("pyvision_cli.rl", "RL with the PyVision rollout strategy (local engine or verl)."),
+    "merge": ("pyvision_cli.merge", "Merge a LoRA adapter or a verl checkpoint into a model."),
+    "eval": ("pyvision_cli.eval", "Evaluate agentically on V*, HRBench, MathVerse, VSI-Bench."),
+    "report": ("pyvision_cli.report", "Results tables, training curves and an HTML report."),
+    "agent": ("pyvision_cli.agent", "Run one agent trajectory and show it turn by turn."),
+    "sandbox": ("pyvision_cli.sandbox", "Run code in the sandbox the agent uses."),
+    "model": ("pyvision_cli.model", "Build models (a tiny offline Qwen2.5-VL)."),
+    "perf": ("pyvision_cli.perf", "Benchmarks of the project's own speed, as JSON."),
+    "doctor": ("pyvision_cli.doctor", "Check the installation: packages, devices, sandbox, hub."),
+}
+
+
+class LazyRootGroup(PyVisionGroup):
+    """Root group that imports a command's module only when that command runs.
+
+    While the root help is being formatted, commands are listed from the static table above
+    through placeholders, so showing help imports none of the command modules.
+    """
+
+    _listing = False
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in COMMANDS:
+            return None
+        module_name, short_help = COMMANDS[name]
+        if self._listing:
+            return click.Command(name, help=short_help, short_help=short_help)
+        cmd = typer.main.get_command(importlib.import_module(module_name).app)
+        cmd.name = name
+        return cmd
+
+    def format_help(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        self._listing = True
+        try:
+            super().format_help(ctx, formatter)
+        finally:
+            self._listing = False
+
+
+app = make_app(
+    "PyVision-RL: build agentic vision models with RL, end to end.\n\n"
+    "Start with `make demo` (the embedded tiny-cpu recipe, offline, on CPU) or "
+    "`pyvision run pipelines/recipes/tiny-cpu.yaml`.")
+app.info.cls = LazyRootGroup
+
+
+@app.callback()
+def _root(
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks for user errors too."),
+) -> None:
+    if debug:
+        os.environ["PYVISION_DEBUG"] = "1"
+
+
+def main(argv: list[str] | None = None) -> Any:
+    """Console-script entry point."""
+    return app(args=argv, prog_name="pyvision")
+
+
+if __name__ == "__main__":
+    main()
