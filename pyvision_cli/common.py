@@ -15,7 +15,9 @@ import traceback
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
-import click
+# Typer 0.29 vendors its own click (typer._click); exceptions and commands must come from it to
+# be recognised by Typer's main loop.
+from typer import _click as click
 import typer
 from rich.console import Console
 from typer.core import TyperGroup

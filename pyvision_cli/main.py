@@ -11,8 +11,11 @@ import importlib
 import os
 from typing import Any
 
-import click
+# Typer 0.29 vendors its own click (typer._click); exceptions and commands must come from it to
+# be recognised by Typer's main loop.
+from typer import _click as click
 import typer
+from typer.core import TyperCommand
 
 from pyvision_cli.common import PyVisionGroup, make_app
 
@@ -50,7 +53,7 @@ class LazyRootGroup(PyVisionGroup):
             return None
         module_name, short_help = COMMANDS[name]
         if self._listing:
-            return click.Command(name, help=short_help, short_help=short_help)
+            return TyperCommand(name, help=short_help, short_help=short_help)
         cmd = typer.main.get_command(importlib.import_module(module_name).app)
         cmd.name = name
         return cmd

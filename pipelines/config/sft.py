@@ -13,7 +13,7 @@ class LoraConfig(Section):
     """LoRA adapter settings (used when `finetuning_type: lora`)."""
 
     rank: int = Field(8, ge=1, le=1024)
-    """LoRA rank."""
+    """LoRA rank (width of the low-rank update)."""
 
     alpha: int = Field(16, ge=1, le=4096)
     """LoRA alpha (scaling = alpha / rank)."""

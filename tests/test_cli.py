@@ -1,0 +1,93 @@
+"""CLI conventions: instant --help, lazy command modules, one-line user errors with exit 2."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from pipelines.errors import ConfigError
+from pyvision_cli.common import command, make_app
+from pyvision_cli.main import COMMANDS, app
+
+HEAVY = ("torch", "transformers", "verl", "vllm", "llamafactory", "lmms_eval", "duckdb", "numpy")
+runner = CliRunner()
+
+
+def test_help_lists_every_command_without_importing_them():
+    code = ("import sys; from pyvision_cli.main import main\n"
+            "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+            f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))")
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    elapsed = time.monotonic() - start
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+    for name in COMMANDS:
+        assert name in out.stdout
+    assert elapsed < 5  # generous for a loaded CI box; typically ~0.3 s
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_command_modules_import_no_ml_library(name):
+    module_name = COMMANDS[name][0]
+    try:
+        spec = importlib.util.find_spec(module_name)
+    except ModuleNotFoundError:
+        spec = None
+    if spec is None:
+        pytest.fail(f"command module {module_name} is registered but missing")
+    code = (f"import sys, {module_name}\n"
+            f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", f"{module_name} imports {out.stdout.strip()} at import time"
+
+
+def test_user_error_is_one_line_exit_2_no_traceback():
+    demo = make_app("demo")
+
+    @command(demo)
+    def boom() -> None:
+        raise ConfigError("unknown config key 'x' in r.yaml", hint="remove it")
+
+    result = runner.invoke(demo, [])
+    assert result.exit_code == 2
+    assert "Traceback" not in result.output
+    assert "unknown config key 'x' in r.yaml. Fix: remove it." in result.output
+
+
+def test_user_error_inside_a_group_command_exits_2():
+    group = make_app("group")
+
+    @command(group)
+    def one() -> None:
+        raise ConfigError("bad")
+
+    @command(group)
+    def two() -> None:
+        typer.echo("fine")
+
+    assert runner.invoke(group, ["one"]).exit_code == 2
+    assert runner.invoke(group, ["two"]).output.strip() == "fine"
+
+
+def test_doctor_json_through_root_app(tmp_path):
+    result = runner.invoke(app, ["doctor", "--json", "--offline", "--store", str(tmp_path / "s.duckdb")])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    names = {c["name"] for c in data["checks"]}
+    assert {"python", "package torch", "package verl", "torch device", "sandbox isolation",
+            "store"} <= names
+    assert data["ok"] is True
+    assert all(c["status"] in ("ok", "warn", "missing") for c in data["checks"])
+    assert all(c["fix"] for c in data["checks"] if c["status"] != "ok")
+
+
+def test_unknown_command_is_usage_error():
+    result = runner.invoke(app, ["nope"])
+    assert result.exit_code == 2

@@ -1,0 +1,133 @@
+"""Recipe models: documented, bounded, frozen; overrides and unknown keys; shipped recipes."""
+
+from __future__ import annotations
+
+import types
+import typing
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel
+
+from pipelines.config.base import Section
+from pipelines.config.loader import apply_overrides, load_config
+from pipelines.config.recipe import RECIPES_DIR, Recipe, load_recipe
+from pipelines.errors import ConfigError
+
+
+def _sections(model: type[BaseModel], seen: set | None = None) -> list[type[BaseModel]]:
+    seen = seen if seen is not None else set()
+    if model in seen:
+        return []
+    seen.add(model)
+    out = [model]
+    for field in model.model_fields.values():
+        for arg in (field.annotation, *typing.get_args(field.annotation)):
+            if isinstance(arg, type) and issubclass(arg, BaseModel):
+                out += _sections(arg, seen)
+    return out
+
+
+def _is_numeric(annotation) -> bool:
+    args = typing.get_args(annotation) if typing.get_origin(annotation) in (
+        typing.Union, types.UnionType) else (annotation,)
+    return any(a in (int, float) for a in args) and bool not in args
+
+
+ALL_SECTIONS = _sections(Recipe)
+
+
+def test_all_sections_are_frozen_strict_sections():
+    assert len(ALL_SECTIONS) >= 10
+    for model in ALL_SECTIONS:
+        assert issubclass(model, Section), model
+        assert model.model_config["frozen"] and model.model_config["extra"] == "forbid"
+
+
+@pytest.mark.parametrize("model", ALL_SECTIONS, ids=lambda m: m.__name__)
+def test_every_field_documented_and_numbers_bounded(model):
+    for name, field in model.model_fields.items():
+        assert field.description and len(field.description) > 10, f"{model.__name__}.{name} undocumented"
+        if _is_numeric(field.annotation):
+            bounds = [m for m in field.metadata
+                      if type(m).__name__ in ("Ge", "Gt", "Le", "Lt", "Interval")]
+            kinds = {type(m).__name__ for m in bounds}
+            assert kinds & {"Ge", "Gt"} and kinds & {"Le", "Lt"}, \
+                f"{model.__name__}.{name} needs lower and upper bounds"
+
+
+@pytest.mark.parametrize("path", sorted(RECIPES_DIR.glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_recipes_validate_and_document_themselves(path: Path):
+    recipe = load_recipe(path)
+    assert recipe.name == path.stem
+    header = path.read_text().splitlines()[:6]
+    assert all(line.startswith("#") for line in header), "recipes open with a comment header"
+    assert any("Hardware" in line for line in path.read_text().splitlines()[:20])
+
+
+def test_shipped_recipe_set():
+    names = {p.stem for p in RECIPES_DIR.glob("*.yaml")}
+    assert {"tiny-cpu", "pyvision-image-7b", "pyvision-video-7b"} <= names
+
+
+def test_default_recipe_is_tiny_cpu():
+    assert load_recipe().name == "tiny-cpu"
+
+
+def test_overrides_are_typed_and_nested(tmp_path):
+    recipe = load_recipe(None, ["rl.learning_rate=3e-6", "eval.benchmarks=[vstar,hrbench4k]",
+                                "rl.strategy.rank_by_std=false", "reward.tool_reward_cap=null"])
+    assert recipe.rl.learning_rate == pytest.approx(3e-6)
+    assert recipe.eval.benchmarks == ["vstar", "hrbench4k"]
+    assert recipe.rl.strategy.rank_by_std is False
+    assert recipe.reward.tool_reward_cap is None
+
+
+def test_unknown_key_names_key_and_closest(tmp_path):
+    bad = tmp_path / "r.yaml"
+    bad.write_text("name: x\nrl:\n  lerning_rate: 1.0e-6\n")
+    with pytest.raises(ConfigError) as exc:
+        load_recipe(bad)
+    msg = str(exc.value)
+    assert "rl.lerning_rate" in msg and "rl.learning_rate" in msg and str(bad) in msg
+
+
+def test_unknown_key_from_set_override():
+    with pytest.raises(ConfigError, match=r"'agent\.max_turn'.*'agent\.max_turns_(train|eval)'"):
+        load_recipe(None, ["agent.max_turn=3"])
+
+
+def test_out_of_bounds_value_is_located():
+    with pytest.raises(ConfigError, match=r"'rl\.n'.*greater than or equal to 2"):
+        load_recipe(None, ["rl.n=1"])
+
+
+def test_cross_field_check():
+    with pytest.raises(ConfigError, match="mini_batch_prompts"):
+        load_recipe(None, ["rl.prompts_per_step=4", "rl.mini_batch_prompts=8"])
+
+
+def test_bad_set_syntax():
+    with pytest.raises(ConfigError, match="dotted.key=value"):
+        load_recipe(None, ["rl.n"])
+    with pytest.raises(ConfigError, match="not a section"):
+        apply_overrides({"a": 1}, ["a.b=2"])
+
+
+def test_config_is_frozen():
+    recipe = load_recipe()
+    with pytest.raises(Exception):
+        recipe.rl.n = 3  # type: ignore[misc]
+
+
+def test_invalid_yaml_and_missing_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: [unclosed\n")
+    with pytest.raises(ConfigError, match=r"invalid YAML in .*bad.yaml:\d"):
+        load_recipe(bad)
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_recipe(tmp_path / "nope.yaml")
+    listy = tmp_path / "list.yaml"
+    listy.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(Recipe, listy)

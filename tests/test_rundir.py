@@ -1,0 +1,60 @@
+"""Run directories describe themselves; a finished stage is skipped unless forced."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from pipelines.config.recipe import load_recipe
+from pipelines.errors import UserError
+from pipelines.rundir import check_run_id, stage_dir
+from pipelines.store import Store
+
+
+def test_stage_lifecycle_writes_config_env_and_manifest_last(tmp_path):
+    recipe = load_recipe()
+    store = Store(tmp_path / "s.duckdb")
+    sd = stage_dir(recipe, "data", None, runs_dir=tmp_path / "runs", store=store)
+    assert sd.run_id == "tiny-cpu" and not sd.is_complete()
+    sd.begin()
+    assert (sd.path / "config.yaml").is_file() and (sd.path / "environment.json").is_file()
+    assert not sd.is_complete()
+    assert store.stages("tiny-cpu")[0]["status"] == "running"
+    env = json.loads((sd.path / "environment.json").read_text())
+    assert env["packages"]["duckdb"] and "git_sha" in env and env["python"].startswith("3.")
+    saved = yaml.safe_load((sd.path / "config.yaml").read_text())
+    assert saved["rl"]["n"] == recipe.rl.n and saved["name"] == "tiny-cpu"
+    sd.finish({"tasks": "data/tasks.jsonl"}, {"n": 3})
+    assert sd.is_complete() and sd.manifest()["outputs"] == {"tasks": "data/tasks.jsonl"}
+    assert store.stages("tiny-cpu")[0]["status"] == "done"
+
+
+def test_rerun_with_other_config_is_refused_and_force_redoes(tmp_path):
+    sd = stage_dir(load_recipe(), "sft", "exp1", runs_dir=tmp_path)
+    sd.begin()
+    (sd.path / "leftover.txt").write_text("x")
+    sd.finish({})
+    other = stage_dir(load_recipe(None, ["sft.learning_rate=0.5"]), "sft", "exp1", runs_dir=tmp_path)
+    assert other.is_complete()
+    with pytest.raises(UserError, match=r"sft\.learning_rate changed.*--force"):
+        other.begin()
+    other.begin(force=True)
+    assert not other.is_complete() and not (other.path / "leftover.txt").exists()
+    assert yaml.safe_load((other.path / "config.yaml").read_text())["sft"]["learning_rate"] == 0.5
+
+
+def test_same_config_resumes(tmp_path):
+    sd = stage_dir(load_recipe(), "rl", "exp", runs_dir=tmp_path)
+    sd.begin()
+    (sd.path / "checkpoint").mkdir()
+    again = stage_dir(load_recipe(), "rl", "exp", runs_dir=tmp_path)
+    again.begin()  # an interrupted stage with the same config continues in place
+    assert (again.path / "checkpoint").is_dir()
+
+
+@pytest.mark.parametrize("bad", ["", "../x", "a/b", "-x", "x" * 200, "a b"])
+def test_run_id_validation(bad):
+    with pytest.raises(UserError, match="invalid run id"):
+        check_run_id(bad)

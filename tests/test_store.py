@@ -1,0 +1,140 @@
+"""The DuckDB store: migrations, transactional writes, concurrent readers, version guard."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from pathlib import Path
+
+import duckdb
+import pytest
+
+from pipelines.errors import UserError
+from pipelines.store import SCHEMA_VERSION, EvalRecord, Store, resolve_store_path
+
+
+def test_fresh_store_is_migrated(tmp_path):
+    store = Store(tmp_path / "s.duckdb")
+    assert store.schema_version() == SCHEMA_VERSION
+    # Re-opening applies nothing twice.
+    assert Store(tmp_path / "s.duckdb").migrate() == SCHEMA_VERSION
+    con = duckdb.connect(str(tmp_path / "s.duckdb"))
+    tables = {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
+    con.close()
+    assert {"runs", "stages", "metrics", "eval_trajectories", "eval_scores", "eval_aggregates",
+            "judge_cache", "schema_version"} <= tables
+
+
+def test_store_from_newer_pyvision_is_refused(tmp_path):
+    path = tmp_path / "s.duckdb"
+    Store(path)
+    con = duckdb.connect(str(path))
+    con.execute("INSERT INTO schema_version (version, name) VALUES (?, 'future')", [SCHEMA_VERSION + 1])
+    con.close()
+    with pytest.raises(UserError, match="newer than this pyvision"):
+        Store(path)
+    with pytest.raises(UserError, match="newer than this pyvision"):
+        Store(path, read_only=True)
+
+
+def test_store_path_resolution(monkeypatch, tmp_path):
+    monkeypatch.setenv("PYVISION_STORE", str(tmp_path / "env.duckdb"))
+    assert resolve_store_path(None) == tmp_path / "env.duckdb"
+    assert resolve_store_path(tmp_path / "cli.duckdb") == tmp_path / "cli.duckdb"
+    monkeypatch.delenv("PYVISION_STORE")
+    assert resolve_store_path(None) == Path("runs/pyvision.duckdb")
+
+
+def test_read_only_store_must_exist(tmp_path):
+    with pytest.raises(UserError, match="store not found"):
+        Store(tmp_path / "missing.duckdb", read_only=True)
+
+
+def test_runs_stages_metrics_roundtrip(tmp_path):
+    store = Store(tmp_path / "s.duckdb")
+    store.upsert_run("r1", "tiny", config={"seed": 0}, git_sha="abc")
+    store.set_stage("r1", "rl", "running", run_dir="runs/r1/rl")
+    store.log_metrics("r1", "rl", 0, {"reward/mean": 0.25, "bad": float("nan")})
+    store.log_metrics("r1", "rl", 1, {"reward/mean": 0.5})
+    store.set_stage("r1", "rl", "done", summary={"steps": 2})
+    rows = store.metrics("r1", "rl", names=["reward/mean"])
+    assert [(r["step"], r["value"]) for r in rows] == [(0, 0.25), (1, 0.5)]
+    assert store.metrics("r1", "rl", names=["bad"])[0]["value"] is None
+    assert store.last_step("r1", "rl") == 1
+    store.delete_metrics_after("r1", "rl", 0)
+    assert store.last_step("r1", "rl") == 0
+    (stage,) = store.stages("r1")
+    assert stage["status"] == "done" and stage["summary"] == {"steps": 2}
+    assert stage["run_dir"] == "runs/r1/rl" and stage["started_at"] and stage["finished_at"]
+
+
+def test_eval_records_replace_not_duplicate(tmp_path):
+    store = Store(tmp_path / "s.duckdb")
+    rec = EvalRecord(run_id="r", model="base", benchmark="vstar", sample_id="1",
+                     benchmark_version="1", prompt_version="image@v1", prompt_hash="h",
+                     scorer="choice@1", prediction="A", stop_reason="answered", turns=2,
+                     tool_calls=1, failed_calls=0, visual_tokens=64, total_tokens=300,
+                     duration_s=0.5, trajectory={"turns": []}, scores={"overall": 1.0})
+    store.add_eval_record(rec)
+    store.add_eval_record(rec)
+    assert store.eval_sample_ids("r", "base", "vstar") == {"1"}
+    assert store.eval_scores("r", "base", "vstar") == {"1": {"overall": 1.0}}
+    store.set_eval_aggregate("r", "base", "vstar", {"overall": 1.0}, n=1, benchmark_version="1",
+                             prompt_version="image@v1", scorer="choice@1")
+    store.set_eval_aggregate("r", "base", "vstar", {"overall": 0.5}, n=2, benchmark_version="1",
+                             prompt_version="image@v1", scorer="choice@1")
+    (agg,) = store.eval_aggregates(["r"])
+    assert agg["value"] == 0.5 and agg["n"] == 2
+    (full,) = store.eval_records("r", with_trajectory=True)
+    assert full["trajectory"] == {"turns": []}
+
+
+def test_failed_write_leaves_nothing(tmp_path):
+    store = Store(tmp_path / "s.duckdb")
+    rec = EvalRecord(run_id="r", model="base", benchmark="vstar", sample_id="1",
+                     benchmark_version="1", prompt_version="p", prompt_hash="h", scorer="s",
+                     prediction="A", stop_reason="answered", turns=1, tool_calls=0,
+                     failed_calls=0, visual_tokens=0, total_tokens=1, duration_s=0.1,
+                     trajectory=None, scores={"overall": "not-a-number"})  # type: ignore[dict-item]
+    # The trajectory row is inserted before the scores fail: the transaction must roll it back.
+    with pytest.raises(ValueError):
+        store.add_eval_record(rec)
+    assert store.eval_sample_ids("r", "base", "vstar") == set()
+
+
+def test_judge_cache(tmp_path):
+    store = Store(tmp_path / "s.duckdb")
+    key = Store.judge_key("m", "prompt")
+    assert store.judge_get(key) is None
+    store.judge_put(key, "m", "Judgement: 1", 1.0)
+    assert store.judge_get(key)["verdict"] == 1.0
+    assert Store.judge_key("m", "prompt") == key != Store.judge_key("m2", "prompt")
+
+
+BATCH = 7
+
+
+def _writer(path: str, batches: int) -> None:
+    store = Store(path)
+    for step in range(batches):
+        store.log_metrics("r", "rl", step, {f"m{i}": float(i) for i in range(BATCH)})
+        time.sleep(0.005)
+
+
+def test_concurrent_reader_never_sees_half_a_write(tmp_path):
+    path = tmp_path / "s.duckdb"
+    Store(path)
+    ctx = mp.get_context("spawn")
+    proc = ctx.Process(target=_writer, args=(str(path), 40))
+    proc.start()
+    seen = []
+    reader = Store(path, read_only=True)
+    deadline = time.monotonic() + 60
+    while proc.is_alive() and time.monotonic() < deadline:
+        seen.append(len(reader.metrics("r")))
+    proc.join(30)
+    assert proc.exitcode == 0
+    seen.append(len(reader.metrics("r")))
+    assert seen[-1] == 40 * BATCH
+    assert all(n % BATCH == 0 for n in seen), "a reader saw part of a transaction"
+    assert len(set(seen)) > 1, "reader and writer should have interleaved"
