@@ -19,12 +19,11 @@ from typing import Annotated, Any, Optional
 # be recognised by Typer's main loop.
 from typer import _click as click
 import typer
-from rich.console import Console
 from typer.core import TyperGroup
 
+from pipelines.console import err
 from pipelines.errors import UserError
 
-err = Console(stderr=True, highlight=False)
 
 
 def debug_enabled() -> bool:

@@ -21,6 +21,11 @@ Fields
                  mean relative accuracy, VSI-Bench style), ``category``, ``question_type``,
                  ``benchmark`` fields needed by a benchmark's official scorer.
 ``split``        ``train`` | ``heldout`` | ``test``.
+
+A multi-turn conversation for SFT (our own cold-start trajectories, or imported SFT data) is a
+:class:`Conversation`, stored the same way (``conversations.jsonl`` + media): ``messages`` alternate
+``user`` / ``assistant`` (interpreter turns are ``user`` turns), each image is one ``<image>``
+placeholder in the text, in the order of ``images``.
 """
 
 from __future__ import annotations
@@ -37,6 +42,9 @@ from pipelines.fsutil import atomic_write_text
 
 AnswerType = Literal["choice", "number", "text", "math"]
 TASKS_FILE = "tasks.jsonl"
+CONVERSATIONS_FILE = "conversations.jsonl"
+IMAGE_PLACEHOLDER = "<image>"
+VIDEO_PLACEHOLDER = "<video>"
 
 
 class Task(BaseModel):
@@ -182,3 +190,97 @@ def write_tasks(path: str | Path, tasks: Iterable[Task]) -> Path:
     """Write tasks as JSONL atomically (a reader never sees a half-written file)."""
     text = "".join(t.model_dump_json() + "\n" for t in tasks)
     return atomic_write_text(path, text)
+
+
+class Message(BaseModel):
+    """One chat message; images appear as ``<image>`` placeholders in ``content``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    role: Literal["user", "assistant"]
+    content: str
+
+
+class Conversation(BaseModel):
+    """A multi-turn SFT example in the PyVision protocol."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    id: str = Field(min_length=1)
+    data_source: str = Field(min_length=1)
+    messages: list[Message] = Field(min_length=2)
+    images: list[str] = []
+    videos: list[str] = []
+    metadata: dict[str, Any] = {}
+
+    def problems(self, root: str | Path | None = None) -> list[str]:
+        """What makes this conversation unusable for SFT (empty list when it is fine)."""
+        out = []
+        if self.messages[0].role != "user":
+            out.append("first message is not from the user")
+        for a, b in zip(self.messages, self.messages[1:]):
+            if a.role == b.role:
+                out.append(f"two consecutive '{a.role}' messages")
+                break
+        if self.messages[-1].role != "assistant":
+            out.append("last message is not from the assistant")
+        n_img = sum(m.content.count(IMAGE_PLACEHOLDER) for m in self.messages)
+        if n_img != len(self.images):
+            out.append(f"{n_img} {IMAGE_PLACEHOLDER} placeholders but {len(self.images)} images")
+        n_vid = sum(m.content.count(VIDEO_PLACEHOLDER) for m in self.messages)
+        if n_vid != len(self.videos):
+            out.append(f"{n_vid} {VIDEO_PLACEHOLDER} placeholders but {len(self.videos)} videos")
+        if root is not None:
+            base = Path(root)
+            for p in [*self.images, *self.videos]:
+                full = Path(p) if Path(p).is_absolute() else base / p
+                if not full.is_file():
+                    out.append(f"missing media file {full}")
+                    break
+        return out
+
+
+def read_conversations(path: str | Path, *, strict: bool = False,
+                       check_media: bool = True) -> tuple[list[Conversation], ReadReport]:
+    """Read and validate a conversations JSONL file (or a folder holding one)."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / CONVERSATIONS_FILE
+    if not p.is_file():
+        raise DataError(f"conversations file not found: {p}",
+                        hint="run `pyvision data trajectories` or `pyvision data import` first")
+    report = ReadReport(str(p))
+    out: list[Conversation] = []
+    for number, obj in iter_jsonl(p):
+        report.read += 1
+        where = f"{p}:{number}"
+
+        def bad(reason: str, detail: str) -> None:
+            if strict:
+                raise DataError(f"{where}: {detail}",
+                                hint="fix or remove the row, or run without --strict to skip it")
+            report.skip(reason, where, detail)
+
+        if isinstance(obj, Exception):
+            bad("malformed_json", f"malformed JSON ({obj.msg} at column {obj.colno})")
+            continue
+        try:
+            conv = Conversation.model_validate(obj)
+        except ValidationError as exc:
+            e = exc.errors()[0]
+            loc = ".".join(str(x) for x in e["loc"]) or "row"
+            bad("invalid_row", f"invalid field '{loc}': {e['msg']}")
+            continue
+        problems = conv.problems(p.parent if check_media else None)
+        if problems:
+            reason = ("missing_media" if problems[0].startswith("missing media") else
+                      "placeholder_mismatch" if "placeholders" in problems[0] else "invalid_row")
+            bad(reason, problems[0])
+            continue
+        out.append(conv)
+    report.kept = len(out)
+    return out, report
+
+
+def write_conversations(path: str | Path, conversations: Iterable[Conversation]) -> Path:
+    return atomic_write_text(path, "".join(c.model_dump_json() + "\n" for c in conversations))

@@ -1,0 +1,151 @@
+"""Real datasets: offline download fails fast; import converts published layouts; export."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from pipelines.data import hub
+from pipelines.data.export_llamafactory import export_llamafactory
+from pipelines.data.records import (Conversation, Message, read_conversations, read_tasks)
+from pipelines.errors import DataError, UserError
+
+
+def test_offline_download_fails_fast_with_import_route(tmp_path, monkeypatch):
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    # Point the hub client at a closed local port: a real connection attempt that is refused.
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    start = time.monotonic()
+    with pytest.raises(DataError) as exc:
+        hub.download("pyvision-image-sft", tmp_path / "out", timeout_s=2)
+    assert time.monotonic() - start < 15
+    msg = str(exc.value)
+    assert "pyvision-image-sft" in msg and "Agents-X/PyVision-Image-SFT-Data" in msg
+    assert "pyvision data import pyvision-image-sft --from-dir DIR" in msg
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_offline_env_var_is_respected(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(DataError, match="HF_HUB_OFFLINE"):
+        hub.download("vsibench", tmp_path)
+
+
+def test_unknown_dataset_suggests():
+    with pytest.raises(UserError, match="did you mean 'pyvision-image-sft'"):
+        hub.get_dataset("pyvision-image-stf")
+
+
+def _img(path: Path, size=(40, 30)) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", size, (200, 10, 10)).save(path)
+
+
+def test_import_sft_published_layout(tmp_path):
+    src = tmp_path / "copy"
+    _img(src / "images" / "mmpr" / "1_0.png")
+    _img(src / "images" / "mmpr" / "1_1.png")
+    rows = [
+        {"conversations": [
+            {"role": "user", "content": "<image_clue_0><image></image_clue_0>\n\nSolve it."},
+            {"role": "assistant", "content": "<code>\n```python\nplt.show()\n```\n</code>"},
+            {"role": "user", "content": "<interpreter>\nImage Result:\n<image>\n</interpreter>"},
+            {"role": "assistant", "content": "<answer>\n\\boxed{3}\n</answer>"}],
+         "images": ["mmpr/1_0.png", "mmpr/1_1.png"], "source_dataset": "mmpr"},
+        {"conversations": [{"role": "user", "content": "<image>q"},
+                           {"role": "assistant", "content": "a"}],
+         "images": ["mmpr/missing.png"], "source_dataset": "mmpr"},
+        {"conversations": [{"role": "user", "content": "<image><image>q"},
+                           {"role": "assistant", "content": "a"}],
+         "images": ["mmpr/1_0.png"], "source_dataset": "mmpr"},
+    ]
+    (src / "pyvision_image_sft_data.json").write_text(json.dumps(rows))
+    out = tmp_path / "out"
+    manifest = hub.import_dataset("pyvision-image-sft", src, out)
+    assert manifest["kept"] == 1 and manifest["read"] == 3
+    assert manifest["skipped"] == {"missing_media": 1, "placeholder_mismatch": 1}
+    assert any("pyvision_image_sft_data.json:2" in p for p in manifest["problems"])
+    convs, report = read_conversations(out)
+    assert len(convs) == 1 and convs[0].data_source == "mmpr"
+    assert (out / convs[0].images[0]).is_file()
+    with pytest.raises(DataError, match=r"pyvision_image_sft_data.json:2: missing media"):
+        hub.import_dataset("pyvision-image-sft", src, tmp_path / "strict", strict=True)
+
+
+def test_import_rl_resolves_foreign_absolute_paths(tmp_path):
+    src = tmp_path / "copy"
+    _img(src / "vstar_bench" / "direct_attributes" / "sa_1.jpg")
+    _img(src / "other" / "sa_1.jpg")  # same file name elsewhere: the longest path match wins
+    rows = [
+        {"id": "0", "question": "What is the material of the glove?\n(A) rubber\n(B) cotton\n"
+                                "Answer with the option's letter from the given choices directly.",
+         "answer": "A", "ability": "visual_search", "data_source": "vstar",
+         "image_path": "/mnt/cluster/data/vstar_bench/direct_attributes/sa_1.jpg"},
+        {"id": "1", "question": "How many?", "answer": "", "data_source": "x",
+         "image_path": "/x/vstar_bench/direct_attributes/sa_1.jpg"},
+        {"id": "2", "question": "How many cars?", "answer": "12", "data_source": "x",
+         "image_path": "/nowhere/none.jpg"},
+    ]
+    (src / "pyvision_image_rl_data.json").write_text(json.dumps(rows))
+    out = tmp_path / "out"
+    manifest = hub.import_dataset("pyvision-image-rl", src, out)
+    assert manifest["kept"] == 1 and manifest["skipped"] == {"empty_answer": 1, "missing_media": 1}
+    tasks, _ = read_tasks(out)
+    (task,) = tasks
+    assert task.answer_type == "choice" and task.options == ["rubber", "cotton"]
+    assert task.image_paths(out)[0].resolve() == (src / "vstar_bench/direct_attributes/sa_1.jpg").resolve()
+
+
+@pytest.mark.parametrize("question,answer,expected", [
+    ("Which?\n(A) x\n(B) y", "B", "choice"),
+    ("How many?", "1,024", "number"),
+    ("Find x.", "\\frac{1}{2}", "math"),
+    ("What colour?", "dark red", "text"),
+])
+def test_infer_answer_type(question, answer, expected):
+    assert hub.infer_answer_type(question, answer)[0] == expected
+
+
+def test_tar_extraction_refuses_path_traversal(tmp_path):
+    import io
+    import tarfile
+
+    archive = tmp_path / "evil.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        data = b"x"
+        info = tarfile.TarInfo("../escape.txt")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    with pytest.raises(DataError, match="unsafe member"):
+        hub.extract_archive(archive, dest)
+    assert not (tmp_path / "escape.txt").exists()
+
+
+def test_export_llamafactory_layout(tmp_path):
+    src = tmp_path / "src"
+    _img(src / "media" / "a.png")
+    _img(src / "media" / "b.png")
+    conv = Conversation(id="t1", data_source="synth", images=["media/a.png", "media/b.png"], messages=[
+        Message(role="user", content="<image>Question?"),
+        Message(role="assistant", content="<code>\n```python\nplt.show()\n```\n</code>"),
+        Message(role="user", content="<interpreter>\nImage Result:\n<image>\n</interpreter>"),
+        Message(role="assistant", content="<answer>\n\\boxed{1}\n</answer>")])
+    out = tmp_path / "lf"
+    info = export_llamafactory([(src, [conv])], out, name="pyvision_sft")
+    assert info == {"dataset_dir": str(out), "dataset": "pyvision_sft", "rows": 1, "images": 2,
+                    "videos": 0}
+    ds_info = json.loads((out / "dataset_info.json").read_text())
+    assert ds_info["pyvision_sft"]["formatting"] == "sharegpt"
+    row = json.loads((out / "pyvision_sft.jsonl").read_text())
+    assert [t["from"] for t in row["conversations"]] == ["human", "gpt", "human", "gpt"]
+    assert all((out / p).resolve().is_file() for p in row["images"])
+    bad = Conversation(id="t2", data_source="s", images=[], messages=[
+        Message(role="user", content="<image>q"), Message(role="assistant", content="a")])
+    with pytest.raises(DataError, match="1 <image> placeholders but 0 images"):
+        export_llamafactory([(src, [bad])], out)
