@@ -1,0 +1,112 @@
+"""The SFT stage: inputs from the data stage, LLaMA-Factory training, metrics into the store.
+
+Inputs come from the run's data-stage manifest (``base_model``, ``sft_dataset_dir``,
+``sft_dataset_name``) unless given explicitly. Output: ``runs/<run-id>/sft/output`` (the full model,
+or the LoRA adapter for ``finetuning_type: lora``; ``pyvision merge`` turns an adapter into a
+model).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from pipelines.config.recipe import Recipe
+from pipelines.console import err
+from pipelines.errors import UserError
+from pipelines.rundir import StageDir
+from pipelines.sft import llamafactory as lf
+
+METRIC_KEYS = ("loss", "lr", "epoch", "grad_norm", "throughput", "total_tokens", "percentage")
+
+
+def data_outputs(runs_dir: Path, run_id: str) -> dict[str, Any]:
+    """The outputs recorded by the run's data stage (empty when it has not finished)."""
+    manifest = runs_dir / run_id / "data" / "manifest.json"
+    if not manifest.is_file():
+        return {}
+    return json.loads(manifest.read_text(encoding="utf-8")).get("outputs", {})
+
+
+def resolve_sft_inputs(recipe: Recipe, sd: StageDir, *, model: str | None = None,
+                       dataset_dir: str | None = None, dataset: str | None = None) -> tuple[str, str, str]:
+    """(model path, dataset dir, dataset name), explicit arguments first, then the data stage."""
+    outputs = data_outputs(sd.runs_dir, sd.run_id)
+    model = model or outputs.get("base_model") or (None if recipe.model.tiny else recipe.model.base)
+    dataset_dir = dataset_dir or outputs.get("sft_dataset_dir")
+    dataset = dataset or outputs.get("sft_dataset_name")
+    if not model:
+        raise UserError(f"no base model for run '{sd.run_id}': the recipe builds a tiny model in "
+                        "the data stage, which has not run", hint=f"run `pyvision data prepare "
+                        f"--run-id {sd.run_id}` first, or pass --model PATH")
+    if not dataset_dir or not dataset:
+        raise UserError(f"no SFT dataset for run '{sd.run_id}' (the data stage has not finished)",
+                        hint="run the data stage first, or pass --dataset-dir DIR --dataset NAME "
+                             "(a LLaMA-Factory folder with dataset_info.json)")
+    info = Path(dataset_dir) / "dataset_info.json"
+    if not info.is_file():
+        raise UserError(f"{info} not found", hint="export the data with `pyvision data export "
+                        "--format llamafactory` or pass the folder that holds dataset_info.json")
+    names = json.loads(info.read_text(encoding="utf-8"))
+    if dataset not in names:
+        raise UserError(f"dataset '{dataset}' is not in {info} (it has: {', '.join(names)})",
+                        hint="pass --dataset with one of those names")
+    return model, str(dataset_dir), dataset
+
+
+def run_sft(recipe: Recipe, sd: StageDir, *, model: str, dataset_dir: str, dataset: str,
+            resume: bool = False, show_progress: bool = True) -> dict[str, Any]:
+    """Train with LLaMA-Factory; returns the stage summary (and writes the manifest)."""
+    output_dir = sd.path / "output"
+    if not resume and output_dir.exists():
+        shutil.rmtree(output_dir)  # a fresh run starts clean; --resume keeps checkpoints
+    if resume:
+        ckpt = lf.last_checkpoint(output_dir) if output_dir.exists() else None
+        if ckpt is not None and sd.store is not None:
+            sd.store.delete_metrics_after(sd.run_id, "sft", int(ckpt.name.split("-")[-1]))
+            err.print(f"resuming SFT from {ckpt}")
+        elif ckpt is None:
+            err.print("[yellow]--resume: no checkpoint found; starting from the beginning[/]")
+    yaml_path = lf.write_train_files(recipe.sft, sd.path, model_path=model,
+                                     dataset_dir=dataset_dir, dataset=dataset, resume=resume)
+    trainer_log = output_dir / lf.TRAINER_LOG
+    losses: list[float] = []
+    state = {"step": 0, "total": 0}
+
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    progress = Progress(TextColumn("[bold]SFT[/]"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
+                        TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn(),
+                        console=err, disable=not show_progress, transient=False)
+    task = progress.add_task("sft", total=None, info="starting LLaMA-Factory ...")
+
+    def on_log(entry: dict[str, Any]) -> None:
+        step = int(entry.get("current_steps", 0))
+        state["step"], state["total"] = step, int(entry.get("total_steps", 0))
+        metrics = {k: entry[k] for k in METRIC_KEYS if isinstance(entry.get(k), (int, float))}
+        if "loss" in metrics:
+            losses.append(float(metrics["loss"]))
+        if sd.store is not None and metrics:
+            sd.store.log_metrics(sd.run_id, "sft", step, metrics)
+        info = " ".join(f"{k}={metrics[k]:.4g}" for k in ("loss", "lr") if k in metrics)
+        progress.update(task, completed=step, total=state["total"] or None, info=info)
+
+    start = time.monotonic()
+    with progress:
+        lf.run_llamafactory("train", yaml_path, python=lf.python_for(recipe.sft.python),
+                            log_path=sd.path / lf.LOG_FILE, on_log=on_log, trainer_log=trainer_log)
+    seconds = time.monotonic() - start
+    if not (output_dir / "config.json").is_file() and not (output_dir / "adapter_config.json").is_file():
+        raise UserError(f"LLaMA-Factory finished but wrote no model into {output_dir}",
+                        hint=f"read {sd.path / lf.LOG_FILE}")
+    kind = "adapter" if (output_dir / "adapter_config.json").is_file() else "model"
+    summary = {"steps": state["step"], "total_steps": state["total"],
+               "first_loss": losses[0] if losses else None,
+               "last_loss": losses[-1] if losses else None, "seconds": round(seconds, 1),
+               "finetuning_type": recipe.sft.finetuning_type}
+    sd.finish({kind: str(output_dir), "base_model": model, "train_yaml": str(yaml_path),
+               "log": str(sd.path / lf.LOG_FILE)}, summary)
+    return summary

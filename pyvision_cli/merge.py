@@ -1,0 +1,48 @@
+"""`pyvision merge`: LoRA adapters (LLaMA-Factory export) and verl checkpoints (verl merger)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal, Optional
+
+import typer
+
+from pyvision_cli.common import JsonOpt, command, err, make_app, print_json
+
+app = make_app("Merge a LoRA adapter or a verl checkpoint into a Hugging Face model.",
+               no_args_is_help=True)
+
+
+@command(app)
+def merge(
+    out: Annotated[Path, typer.Option("--out", help="Folder for the merged model.")],
+    engine: Annotated[str, typer.Option(help="`lora`: LoRA adapter via LLaMA-Factory; "
+                                              "`verl`: verl FSDP checkpoint via verl.model_merger.")] = "lora",
+    lora: Annotated[Optional[Path], typer.Option(help="LoRA adapter folder (engine lora).")] = None,
+    base: Annotated[Optional[str], typer.Option(help="Base model path or hub id (engine lora).")] = None,
+    checkpoint: Annotated[Optional[Path], typer.Option(help="verl checkpoint: global_step_N/actor, "
+                                                            "global_step_N, or their parent (engine verl).")] = None,
+    python: Annotated[str, typer.Option(help="Interpreter that has llamafactory / verl.")] = "python",
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing --out folder.")] = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Merge, then check the result loads (config, processor, weight names and shapes)."""
+    from pipelines.errors import UserError
+    from pipelines.merge import merge_lora, merge_verl
+
+    if engine not in ("lora", "verl"):
+        raise UserError(f"unknown --engine '{engine}'", hint="use --engine lora or --engine verl")
+    if engine == "lora":
+        if lora is None or base is None:
+            raise UserError("--engine lora needs --lora ADAPTER and --base MODEL",
+                            hint="e.g. pyvision merge --lora runs/x/sft/output --base MODEL --out DIR")
+        info = merge_lora(lora, base, out, python=python, force=force)
+    else:
+        if checkpoint is None:
+            raise UserError("--engine verl needs --checkpoint DIR",
+                            hint="e.g. pyvision merge --engine verl --checkpoint ckpts/global_step_50 --out DIR")
+        info = merge_verl(checkpoint, out, python=python, force=force)
+    err.print(f"[green]merged[/] into {info['path']} ({info['parameters']:,} parameters, "
+              f"{'loaded and ran a forward pass' if info['full_load'] else 'weights checked'})")
+    if json_out:
+        print_json(info)

@@ -1,0 +1,69 @@
+"""`pyvision sft`: supervised fine-tuning on LLaMA-Factory."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from pyvision_cli.common import (ConfigOpt, ForceOpt, JsonOpt, RunIdOpt, SetOpt, StoreOpt, command,
+                                 err, load_recipe, make_app, print_json)
+
+app = make_app("Supervised fine-tuning on LLaMA-Factory.", no_args_is_help=False)
+
+
+@command(app)
+def sft(
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    run_id: RunIdOpt = None,
+    store: StoreOpt = None,
+    force: ForceOpt = False,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue from the last checkpoint.")] = False,
+    model: Annotated[Optional[str], typer.Option(help="Base model path [default: from the data stage].")] = None,
+    dataset_dir: Annotated[Optional[str], typer.Option(help="LLaMA-Factory dataset folder (holds dataset_info.json).")] = None,
+    dataset: Annotated[Optional[str], typer.Option(help="Dataset name in dataset_info.json.")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Write the LLaMA-Factory YAML and stop.")] = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Render LLaMA-Factory's training YAML from the recipe and run `llamafactory-cli train`.
+
+    The YAML, the DeepSpeed config (if any) and the full log stay in runs/<run-id>/sft/, so the
+    exact run can be repeated by hand. Loss and learning rate stream into the store.
+    """
+    from pipelines.rundir import stage_dir
+    from pipelines.sft import llamafactory as lf
+    from pipelines.sft.stage import resolve_sft_inputs, run_sft
+    from pipelines.store import Store
+
+    recipe = load_recipe(config, set_)
+    st = Store(store)
+    sd = stage_dir(recipe, "sft", run_id, runs_dir=None, store=st,
+                   recipe_path=str(config) if config else None)
+    if sd.is_complete() and not force and not dry_run:
+        err.print(f"sft of run '{sd.run_id}' already finished ({sd.manifest_path}); "
+                  "pass --force to redo it")
+        if json_out:
+            print_json(sd.manifest())
+        return
+    model_path, ds_dir, ds_name = resolve_sft_inputs(recipe, sd, model=model,
+                                                     dataset_dir=dataset_dir, dataset=dataset)
+    if dry_run:
+        sd.path.mkdir(parents=True, exist_ok=True)
+        path = lf.write_train_files(recipe.sft, sd.path, model_path=model_path,
+                                    dataset_dir=ds_dir, dataset=ds_name, resume=resume)
+        err.print(f"wrote {path}")
+        if json_out:
+            print_json({"train_yaml": str(path), "run_dir": str(sd.path)})
+        return
+    sd.begin(force=force and not resume)
+    try:
+        summary = run_sft(recipe, sd, model=model_path, dataset_dir=ds_dir, dataset=ds_name,
+                          resume=resume)
+    except BaseException as exc:
+        sd.fail(str(exc))
+        raise
+    err.print(f"[green]SFT done[/] in {summary['seconds']} s: loss {summary['first_loss']} -> "
+              f"{summary['last_loss']} over {summary['steps']} steps; model in {sd.path / 'output'}")
+    if json_out:
+        print_json(sd.manifest())

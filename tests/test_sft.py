@@ -1,0 +1,161 @@
+"""SFT on LLaMA-Factory: rendered YAML snapshots, a real run, resume, failures, LoRA merge."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipelines.config.recipe import RECIPES_DIR, load_recipe
+from pipelines.errors import SubprocessFailed
+from pipelines.rundir import stage_dir
+from pipelines.sft import llamafactory as lf
+from pipelines.sft.stage import run_sft
+from pipelines.store import Store
+
+SNAPSHOTS = Path(__file__).parent / "snapshots" / "sft"
+
+
+@pytest.mark.parametrize("recipe_path", sorted(RECIPES_DIR.glob("*.yaml")), ids=lambda p: p.stem)
+def test_rendered_yaml_matches_snapshot(recipe_path, tmp_path):
+    recipe = load_recipe(recipe_path)
+    lf.write_train_files(recipe.sft, tmp_path, model_path="MODEL", dataset_dir="DATA",
+                         dataset="pyvision_sft")
+    text = (tmp_path / lf.TRAIN_YAML).read_text().replace(str(tmp_path), "RUN_DIR")
+    snap = SNAPSHOTS / f"{recipe_path.stem}.yaml"
+    if os.environ.get("PYVISION_UPDATE_SNAPSHOTS") == "1":
+        snap.parent.mkdir(parents=True, exist_ok=True)
+        snap.write_text(text)
+    assert snap.is_file(), f"missing snapshot {snap}; run with PYVISION_UPDATE_SNAPSHOTS=1"
+    assert text == snap.read_text()
+    rendered = yaml.safe_load(text)
+    assert rendered["template"] == "qwen2_vl" and rendered["stage"] == "sft"
+    assert rendered["freeze_vision_tower"] is recipe.sft.freeze_vision_tower
+    if recipe.sft.deepspeed != "none":
+        ds = json.loads((tmp_path / f"ds_{recipe.sft.deepspeed}.json").read_text())
+        assert ds["zero_optimization"]["stage"] in (2, 3)
+
+
+def test_lora_and_resume_render():
+    recipe = load_recipe(None, ["sft.finetuning_type=lora", "sft.lora.rank=4"])
+    cfg = lf.render_train_config(recipe.sft, model_path="m", dataset_dir="d", dataset="x",
+                                 output_dir="o", resume=True)
+    assert cfg["finetuning_type"] == "lora" and cfg["lora_rank"] == 4
+    assert cfg["overwrite_output_dir"] is False  # lets LLaMA-Factory find checkpoint-N
+    assert lf.render_train_config(recipe.sft, model_path="m", dataset_dir="d", dataset="x",
+                                  output_dir="o")["overwrite_output_dir"] is True
+
+
+def make_sharegpt(root: Path, n: int = 8) -> tuple[str, str]:
+    """A small PyVision-protocol SFT dataset in LLaMA-Factory's sharegpt layout."""
+    from PIL import Image
+
+    root.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i in range(n):
+        colour = ["red", "green", "blue", "yellow"][i % 4]
+        rgb = {"red": (220, 30, 30), "green": (30, 200, 30), "blue": (30, 30, 220),
+               "yellow": (230, 220, 30)}[colour]
+        Image.new("RGB", (64, 48), rgb).save(root / f"img{i}.png")
+        Image.new("RGB", (32, 32), rgb).save(root / f"zoom{i}.png")
+        rows.append({"conversations": [
+            {"from": "human", "value": "<image>What is the colour of the object?"},
+            {"from": "gpt", "value": "I will zoom in.\n<code>\n```python\nplt.imshow(image_clue_0)\n"
+                                     "plt.show()\n```\n</code>"},
+            {"from": "human", "value": "<interpreter>\nText Result:\nNone\nImage Result:\n<image>"
+                                       "\n</interpreter>"},
+            {"from": "gpt", "value": f"It is {colour}.\n<answer>\n\\boxed{{{colour}}}\n</answer>"},
+        ], "images": [f"img{i}.png", f"zoom{i}.png"]})
+    (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (root / "dataset_info.json").write_text(json.dumps({"pyvision_sft": {
+        "file_name": "train.jsonl", "formatting": "sharegpt",
+        "columns": {"messages": "conversations", "images": "images"}}}))
+    return str(root), "pyvision_sft"
+
+
+def _tiny_sft_recipe(*extra: str):
+    return load_recipe(None, ["sft.use_cpu=true", "sft.precision=fp32", "sft.cutoff_len=1024",
+                              "sft.per_device_train_batch_size=2", "sft.learning_rate=1e-3",
+                              "sft.image_max_pixels=12544", "sft.logging_steps=1", *extra])
+
+
+def test_real_llamafactory_run_on_nano(tiny_model_dir, tmp_path):
+    data_dir, name = make_sharegpt(tmp_path / "data")
+    recipe = _tiny_sft_recipe("sft.max_steps=3", "sft.save_steps=2")
+    store = Store()
+    sd = stage_dir(recipe, "sft", "t1", runs_dir=tmp_path / "runs", store=store)
+    sd.begin()
+    summary = run_sft(recipe, sd, model=str(tiny_model_dir), dataset_dir=data_dir, dataset=name,
+                      show_progress=False)
+    assert summary["steps"] == 3 and summary["first_loss"] is not None
+    assert sd.is_complete()
+    out = sd.path / "output"
+    assert (out / "config.json").is_file() and (out / "checkpoint-2").is_dir()
+    steps = [m["step"] for m in store.metrics("t1", "sft", names=["loss"])]
+    assert steps == [1, 2, 3]
+    # The trained model and its processor load and generate.
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    AutoProcessor.from_pretrained(out)
+    model = AutoModelForImageTextToText.from_pretrained(out)
+    assert sum(p.numel() for p in model.parameters()) > 0
+
+
+def _fake_python(tmp_path: Path, code: int) -> str:
+    script = tmp_path / "fake-python"
+    script.write_text("#!/bin/sh\nfor i in $(seq 1 40); do echo \"log line $i\"; done\n"
+                      "echo 'ValueError: something LLaMA-Factory did not like' >&2\n"
+                      f"exit {code}\n")
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return str(script)
+
+
+def test_failing_run_shows_tail_and_log_path(tmp_path, capsys):
+    data_dir, name = make_sharegpt(tmp_path / "data", n=2)
+    recipe = _tiny_sft_recipe(f"sft.python={_fake_python(tmp_path, 3)}")
+    sd = stage_dir(recipe, "sft", "bad", runs_dir=tmp_path / "runs")
+    sd.begin()
+    with pytest.raises(SubprocessFailed) as exc:
+        run_sft(recipe, sd, model="m", dataset_dir=data_dir, dataset=name, show_progress=False)
+    log = sd.path / lf.LOG_FILE
+    assert str(log) in str(exc.value) and "exit code 3" in str(exc.value)
+    assert "log line 40" in log.read_text() and "log line 1\n" in log.read_text()
+    stderr = capsys.readouterr().err
+    assert "ValueError: something LLaMA-Factory did not like" in stderr
+    assert "log line 40" in stderr and "log line 1\n" not in stderr  # only the tail
+    assert not sd.is_complete()
+
+
+def test_missing_interpreter_is_a_user_error(tmp_path):
+    from pipelines.errors import UserError
+
+    data_dir, name = make_sharegpt(tmp_path / "data", n=2)
+    recipe = _tiny_sft_recipe("sft.python=/nonexistent/python")
+    sd = stage_dir(recipe, "sft", "bad", runs_dir=tmp_path / "runs")
+    sd.begin()
+    with pytest.raises(UserError, match="set sft.python"):
+        run_sft(recipe, sd, model="m", dataset_dir=data_dir, dataset=name, show_progress=False)
+
+
+@pytest.mark.slow
+def test_resume_continues_from_last_checkpoint(tiny_model_dir, tmp_path):
+    data_dir, name = make_sharegpt(tmp_path / "data")
+    store = Store()
+    first = _tiny_sft_recipe("sft.max_steps=2", "sft.save_steps=2")
+    sd = stage_dir(first, "sft", "r", runs_dir=tmp_path / "runs", store=store)
+    sd.begin()
+    run_sft(first, sd, model=str(tiny_model_dir), dataset_dir=data_dir, dataset=name,
+            show_progress=False)
+    # A longer schedule on the same stage directory picks up checkpoint-2.
+    second = _tiny_sft_recipe("sft.max_steps=4", "sft.save_steps=2")
+    sd.config = second
+    summary = run_sft(second, sd, model=str(tiny_model_dir), dataset_dir=data_dir, dataset=name,
+                      resume=True, show_progress=False)
+    assert summary["steps"] == 4
+    assert "Resuming training from" in (sd.path / lf.LOG_FILE).read_text()
+    steps = [m["step"] for m in store.metrics("r", "sft", names=["loss"])]
+    assert steps == [1, 2, 3, 4], "resumed steps are logged once"
