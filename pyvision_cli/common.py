@@ -62,11 +62,22 @@ class PyVisionCommand(typer.core.TyperCommand):
         return _reraise_user_errors(super().invoke, ctx)
 
 
-def make_app(help: str, **kwargs: Any) -> typer.Typer:
-    """A Typer app with the project's conventions (no completion, no rich tracebacks)."""
-    return typer.Typer(help=help, cls=PyVisionGroup, no_args_is_help=kwargs.pop("no_args_is_help", True),
-                       add_completion=False, pretty_exceptions_enable=False,
-                       context_settings={"help_option_names": ["-h", "--help"]}, **kwargs)
+def make_app(help: str, *, group: bool = False, **kwargs: Any) -> typer.Typer:
+    """A Typer app with the project's conventions (no completion, no rich tracebacks).
+
+    ``group=True`` keeps it a command group even with a single subcommand (``pyvision model
+    tiny``); otherwise a one-command app is that command (``pyvision sft``).
+    """
+    app = typer.Typer(help=help, cls=PyVisionGroup,
+                      no_args_is_help=kwargs.pop("no_args_is_help", True), add_completion=False,
+                      pretty_exceptions_enable=False,
+                      context_settings={"help_option_names": ["-h", "--help"]}, **kwargs)
+    if group:
+        @app.callback()
+        def _group() -> None:
+            """A group callback makes Typer keep subcommand names even for one subcommand."""
+
+    return app
 
 
 def command(app: typer.Typer, name: str | None = None, **kwargs: Any):

@@ -16,6 +16,7 @@ from pipelines.rundir import stage_dir
 from pipelines.sft import llamafactory as lf
 from pipelines.sft.stage import run_sft
 from pipelines.store import Store
+from tests.helpers import make_sharegpt
 
 SNAPSHOTS = Path(__file__).parent / "snapshots" / "sft"
 
@@ -48,33 +49,6 @@ def test_lora_and_resume_render():
     assert cfg["overwrite_output_dir"] is False  # lets LLaMA-Factory find checkpoint-N
     assert lf.render_train_config(recipe.sft, model_path="m", dataset_dir="d", dataset="x",
                                   output_dir="o")["overwrite_output_dir"] is True
-
-
-def make_sharegpt(root: Path, n: int = 8) -> tuple[str, str]:
-    """A small PyVision-protocol SFT dataset in LLaMA-Factory's sharegpt layout."""
-    from PIL import Image
-
-    root.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for i in range(n):
-        colour = ["red", "green", "blue", "yellow"][i % 4]
-        rgb = {"red": (220, 30, 30), "green": (30, 200, 30), "blue": (30, 30, 220),
-               "yellow": (230, 220, 30)}[colour]
-        Image.new("RGB", (64, 48), rgb).save(root / f"img{i}.png")
-        Image.new("RGB", (32, 32), rgb).save(root / f"zoom{i}.png")
-        rows.append({"conversations": [
-            {"from": "human", "value": "<image>What is the colour of the object?"},
-            {"from": "gpt", "value": "I will zoom in.\n<code>\n```python\nplt.imshow(image_clue_0)\n"
-                                     "plt.show()\n```\n</code>"},
-            {"from": "human", "value": "<interpreter>\nText Result:\nNone\nImage Result:\n<image>"
-                                       "\n</interpreter>"},
-            {"from": "gpt", "value": f"It is {colour}.\n<answer>\n\\boxed{{{colour}}}\n</answer>"},
-        ], "images": [f"img{i}.png", f"zoom{i}.png"]})
-    (root / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (root / "dataset_info.json").write_text(json.dumps({"pyvision_sft": {
-        "file_name": "train.jsonl", "formatting": "sharegpt",
-        "columns": {"messages": "conversations", "images": "images"}}}))
-    return str(root), "pyvision_sft"
 
 
 def _tiny_sft_recipe(*extra: str):

@@ -169,9 +169,10 @@ def last_checkpoint(output_dir: Path) -> Path | None:
 class _LogTail:
     """Follows trainer_log.jsonl as LLaMA-Factory appends to it."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, skip_existing: bool = False) -> None:
         self.path = path
-        self.offset = 0
+        # A resumed run appends to the old log: lines already ingested are not read again.
+        self.offset = path.stat().st_size if skip_existing and path.exists() else 0
         self.buffer = ""
 
     def read_new(self) -> list[dict[str, Any]]:
@@ -196,7 +197,7 @@ class _LogTail:
 def run_llamafactory(command: str, config_path: Path, *, python: str, log_path: Path,
                      on_log: Callable[[dict[str, Any]], None] | None = None,
                      trainer_log: Path | None = None, env: Mapping[str, str] | None = None,
-                     poll_s: float = 0.5) -> None:
+                     poll_s: float = 0.5, skip_existing_log: bool = False) -> None:
     """Run ``python -m llamafactory.cli COMMAND CONFIG``, teeing output to ``log_path``.
 
     ``on_log`` is called with each new trainer_log.jsonl line while the process runs. A non-zero
@@ -229,7 +230,8 @@ def run_llamafactory(command: str, config_path: Path, *, python: str, log_path: 
 
         reader = threading.Thread(target=pump, daemon=True)
         reader.start()
-        follower = _LogTail(trainer_log) if trainer_log is not None else None
+        follower = (_LogTail(trainer_log, skip_existing=skip_existing_log)
+                    if trainer_log is not None else None)
         try:
             while proc.poll() is None:
                 if follower is not None and on_log is not None:

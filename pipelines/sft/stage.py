@@ -97,7 +97,8 @@ def run_sft(recipe: Recipe, sd: StageDir, *, model: str, dataset_dir: str, datas
     start = time.monotonic()
     with progress:
         lf.run_llamafactory("train", yaml_path, python=lf.python_for(recipe.sft.python),
-                            log_path=sd.path / lf.LOG_FILE, on_log=on_log, trainer_log=trainer_log)
+                            log_path=sd.path / lf.LOG_FILE, on_log=on_log, trainer_log=trainer_log,
+                            skip_existing_log=resume)
     seconds = time.monotonic() - start
     if not (output_dir / "config.json").is_file() and not (output_dir / "adapter_config.json").is_file():
         raise UserError(f"LLaMA-Factory finished but wrote no model into {output_dir}",

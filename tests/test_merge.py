@@ -1,0 +1,106 @@
+"""pyvision merge: LoRA through LLaMA-Factory export, verl FSDP checkpoints through its merger."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from pipelines.config.recipe import load_recipe
+from pipelines.errors import SubprocessFailed, UserError
+from pipelines.merge import merge_lora, merge_verl, verify_model_dir
+from pipelines.rundir import stage_dir
+from pipelines.sft.stage import run_sft
+from tests.helpers import make_sharegpt
+
+
+def _fsdp_checkpoint(model_dir, root):
+    """A verl FSDP actor checkpoint with world size 1, laid out as verl's checkpoint manager does."""
+    from transformers import AutoModelForImageTextToText
+
+    actor = root / "global_step_3" / "actor"
+    (actor / "huggingface").mkdir(parents=True)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01)  # a "trained" model differs from the base
+    torch.save(model.state_dict(), actor / "model_world_size_1_rank_0.pt")
+    (actor / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 2, "world_size": 1}))
+    for f in model_dir.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, actor / "huggingface" / f.name)
+    return model
+
+
+def test_verify_rejects_incomplete_model(tiny_model_dir, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model_dir, broken)
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(broken / "model.safetensors")
+    weights.pop(sorted(weights)[0])
+    save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(UserError, match="weights do not match the model config"):
+        verify_model_dir(broken)
+    assert verify_model_dir(tiny_model_dir)["full_load"] is True
+
+
+def test_merge_verl_checkpoint_round_trip(tiny_model_dir, tmp_path):
+    trained = _fsdp_checkpoint(tiny_model_dir, tmp_path / "ckpts")
+    out = tmp_path / "merged"
+    info = merge_verl(tmp_path / "ckpts", out)  # finds the latest global_step_N/actor
+    assert info["full_load"] and (out / "merge.log").is_file()
+    from transformers import AutoModelForImageTextToText
+
+    merged = AutoModelForImageTextToText.from_pretrained(out)
+    ref = trained.state_dict()
+    for name, tensor in merged.state_dict().items():
+        # verl's merger stores bfloat16, as a real FSDP run would; compare at that precision.
+        assert tensor.dtype == torch.bfloat16
+        torch.testing.assert_close(tensor.float(), ref[name], rtol=1e-2, atol=1e-3)
+    with pytest.raises(UserError, match="exists and is not empty"):
+        merge_verl(tmp_path / "ckpts", out)
+
+
+def test_merge_verl_bad_checkpoint(tmp_path):
+    with pytest.raises(UserError, match="holds no verl FSDP checkpoint"):
+        merge_verl(tmp_path, tmp_path / "out")
+    bad = tmp_path / "global_step_1" / "actor"
+    bad.mkdir(parents=True)
+    (bad / "fsdp_config.json").write_text(json.dumps({"world_size": 1}))
+    with pytest.raises(SubprocessFailed, match="verl.model_merger exited"):
+        merge_verl(tmp_path, tmp_path / "out2")
+    assert not (tmp_path / "out2").exists()
+
+
+@pytest.mark.slow
+def test_lora_train_then_merge_round_trip(tiny_model_dir, tmp_path):
+    data_dir, name = make_sharegpt(tmp_path / "data")
+    recipe = load_recipe(None, ["sft.use_cpu=true", "sft.precision=fp32", "sft.cutoff_len=1024",
+                                "sft.per_device_train_batch_size=2", "sft.learning_rate=5e-2",
+                                "sft.image_max_pixels=12544", "sft.max_steps=2",
+                                "sft.finetuning_type=lora", "sft.lora.rank=4"])
+    sd = stage_dir(recipe, "sft", "lora", runs_dir=tmp_path / "runs")
+    sd.begin()
+    run_sft(recipe, sd, model=str(tiny_model_dir), dataset_dir=data_dir, dataset=name,
+            show_progress=False)
+    adapter = sd.path / "output"
+    assert (adapter / "adapter_config.json").is_file()
+    out = tmp_path / "merged"
+    info = merge_lora(adapter, tiny_model_dir, out)
+    assert info["full_load"]
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText
+
+    base = AutoModelForImageTextToText.from_pretrained(tiny_model_dir)
+    peft_model = PeftModel.from_pretrained(base, adapter).eval()
+    merged = AutoModelForImageTextToText.from_pretrained(out).eval()
+    ids = torch.randint(20, 500, (1, 32))
+    with torch.no_grad():
+        expected = peft_model(input_ids=ids).logits
+        got = merged(input_ids=ids).logits
+        plain = AutoModelForImageTextToText.from_pretrained(tiny_model_dir)(input_ids=ids).logits
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(got, plain, atol=1e-4), "the adapter changed nothing"
