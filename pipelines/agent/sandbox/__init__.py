@@ -1,0 +1,573 @@
+"""The sandbox that runs model-written Python: persistent, fast, and isolated.
+
+Model-written code is hostile input. Each trajectory gets a :class:`Sandbox`: a persistent Python
+runtime (numpy as ``np``, PIL's ``Image``, matplotlib's ``plt`` with the Agg backend, ``decord`` for
+video) holding the task's media as ``image_clue_0``, ``image_clue_1``, ... or ``video_clue_0``.
+``plt.show()``, ``img.show()`` and ``display(obj)`` return PNG images; printed output is kept up to
+``max_output_chars`` (head and tail, with a marker); every call ends in an :class:`ExecResult` with
+status ``ok | error | timeout | oom | crashed``.
+
+How it is fast: one *zygote* process per host process imports numpy, PIL, matplotlib and decord
+once; each sandbox is a fork of it, so starting one costs milliseconds instead of the second a
+cold ``import matplotlib`` takes.
+
+What is isolated (``isolation: bwrap``, the default where bubblewrap works)
+- The zygote runs under bubblewrap in new pid, network, IPC and UTS namespaces, as an unprivileged
+  uid (65534; a root host is dropped to it so the kernel enforces the process limit), with an
+  empty environment (no secrets), a new session (no terminal injection), and a filesystem that
+  holds only the Python runtime and system libraries, read-only, plus ``/dev`` basics and a tmpfs.
+  The host's home, the project, the data and every other file are simply absent.
+- Each sandbox then leaves the zygote's namespaces: its own user, mount, pid, network, IPC and UTS
+  namespaces, a private size-limited ``/tmp``, an empty ``/proc``, all capabilities dropped,
+  ``no_new_privs``, non-dumpable. It cannot see, signal, trace or connect to other sandboxes, the
+  zygote or the host process; it has no network interface but a down loopback.
+- rlimits per sandbox: address space (``oom``), CPU seconds, processes, file size, open files, no
+  core dumps. A wall-clock timeout kills the sandbox's pid 1, which takes every process it
+  started with it (double-forked daemons included).
+- Media reaches the sandbox as bytes over its socket and is decoded inside it, so a malicious image
+  or video is parsed by the sandboxed process, not by the host.
+
+What is not isolated
+- The kernel is shared (a kernel exploit escapes; there is no seccomp filter).
+- CPU time is limited per sandbox but not scheduled fairly between sandboxes; the host's memory is
+  only protected by the per-sandbox address-space limit (no cgroup memory accounting).
+- Images returned by the code are checked (PNG, bounded size) but are the code's choice: it can
+  show the model anything it can draw.
+
+Without bubblewrap (``isolation: rlimit``, or ``auto`` when bwrap is missing or cannot create
+namespaces) only the rlimits, a process-group kill and a temporary working directory apply, and a
+loud warning says so: that mode is **no security boundary** (the code can read the user's files
+and reach the network).
+"""
+
+from __future__ import annotations
+
+import atexit
+import io
+import json
+import os
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+import warnings
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+from pipelines.config.sandbox import SandboxConfig
+from pipelines.errors import DataError, UserError
+
+Status = Literal["ok", "error", "timeout", "oom", "crashed"]
+ZYGOTE_SCRIPT = Path(__file__).with_name("_zygote.py")
+SANDBOX_ZYGOTE_PATH = "/opt/pyvision/zygote.py"
+MAX_HEADER_BYTES = 64 * 1024 * 1024
+MAX_IMAGE_BYTES = 32 * 1024 * 1024
+MAX_IMAGE_PIXELS = 64 * 1024 * 1024
+SIGNAL_NAMES = {4: "SIGILL", 6: "SIGABRT", 7: "SIGBUS", 8: "SIGFPE", 9: "SIGKILL",
+                11: "SIGSEGV", 24: "SIGXCPU", 25: "SIGXFSZ"}
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    """The outcome of one code call."""
+
+    status: Status
+    stdout: str
+    stderr: str
+    images: list[bytes] = field(default_factory=list)
+    duration_s: float = 0.0
+    truncated: bool = False
+
+    def to_json(self, image_paths: list[str] | None = None) -> dict[str, Any]:
+        """JSON-ready dict; images as the given file paths (or their byte sizes)."""
+        return {"status": self.status, "stdout": self.stdout, "stderr": self.stderr,
+                "images": list(image_paths) if image_paths is not None
+                else [f"<png {len(b)} bytes>" for b in self.images],
+                "duration_s": round(self.duration_s, 4), "truncated": self.truncated}
+
+
+# -- isolation mode -------------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=1)
+def bwrap_available() -> bool:
+    """True when bubblewrap exists and can create the namespaces the sandbox uses."""
+    path = shutil.which("bwrap")
+    if not path:
+        return False
+    try:
+        proc = subprocess.run([path, *(_base_bwrap_args()), "--", sys.executable, "-I", "-c", "0"],
+                              capture_output=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return proc.returncode == 0
+
+
+_warned_rlimit = False
+
+
+def isolation_mode(config: SandboxConfig | None = None) -> Literal["bwrap", "rlimit"]:
+    """What ``config.isolation`` resolves to on this machine."""
+    global _warned_rlimit
+    cfg = config or SandboxConfig()
+    if cfg.isolation == "rlimit":
+        mode = "rlimit"
+    elif bwrap_available():
+        mode = "bwrap"
+    elif cfg.isolation == "bwrap":
+        raise UserError("sandbox isolation 'bwrap' was requested but bubblewrap is missing or "
+                        "cannot create namespaces here",
+                        hint="apt-get install bubblewrap (and enable user namespaces), or set "
+                             "sandbox.isolation=auto to accept the unsafe rlimit fallback")
+    else:
+        mode = "rlimit"
+    if mode == "rlimit" and not _warned_rlimit:
+        _warned_rlimit = True
+        msg = ("SANDBOX IS NOT A SECURITY BOUNDARY: bubblewrap is unavailable, so model-written "
+               "code runs with rlimits only and can read your files and reach the network. "
+               "Install bubblewrap (apt-get install bubblewrap) for real isolation.")
+        warnings.warn(msg, RuntimeWarning, stacklevel=2)
+        from pipelines.console import err
+
+        err.print(f"[bold red]WARNING:[/] {msg}")
+    return mode
+
+
+def _runtime_paths() -> list[str]:
+    """Folders the sandboxed interpreter needs, read-only: the venv, the base Python, libraries."""
+    paths = {os.path.realpath(sys.prefix), os.path.realpath(sys.base_prefix),
+             os.path.dirname(os.path.realpath(sys.executable))}
+    for p in sys.path:
+        if p and os.path.isdir(p) and "site-packages" in p:
+            paths.add(os.path.realpath(p))
+    for lib in ("/usr/lib", "/usr/lib64", "/usr/local/lib"):
+        if os.path.isdir(lib):
+            paths.add(lib)
+    # Drop paths nested in others (one bind covers them).
+    ordered = sorted(paths)
+    return [p for p in ordered if not any(p != q and p.startswith(q + "/") for q in ordered)]
+
+
+def _parent_dirs(paths: list[str]) -> list[str]:
+    """World-traversable parents for bind targets (bwrap would create them 0700 as root)."""
+    seen: list[str] = []
+    for p in paths:
+        parent = Path(p).parent
+        chain = [a for a in reversed(parent.parents) if str(a) != "/"] + [parent]
+        for a in chain:
+            if str(a) != "/" and str(a) not in seen:
+                seen.append(str(a))
+    args: list[str] = []
+    for d in seen:
+        args += ["--perms", "0755", "--dir", d]
+    return args
+
+
+def _base_bwrap_args() -> list[str]:
+    args = ["--die-with-parent", "--new-session", "--unshare-pid", "--unshare-net",
+            "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
+    if os.geteuid() == 0:
+        # No user namespace as root: the zygote drops to uid 65534 itself (see _zygote.py).
+        args += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+    else:
+        args += ["--unshare-user", "--uid", "65534", "--gid", "65534"]
+    args += _parent_dirs([*_runtime_paths(), SANDBOX_ZYGOTE_PATH])
+    for p in _runtime_paths():
+        args += ["--ro-bind", p, p]
+    for link, target in (("/lib", "usr/lib"), ("/lib64", "usr/lib64"), ("/bin", "usr/bin")):
+        if os.path.islink(link):
+            args += ["--symlink", target, link]
+        elif os.path.isdir(link) and link != "/bin":
+            args += ["--ro-bind", link, link]
+    if os.path.exists("/etc/ld.so.cache"):
+        args += ["--ro-bind", "/etc/ld.so.cache", "/etc/ld.so.cache"]
+    args += ["--dev", "/dev", "--perms", "1777", "--tmpfs", "/tmp", "--proc", "/proc", "--chdir", "/tmp",
+             "--clearenv"]
+    for key, value in _sandbox_env().items():
+        args += ["--setenv", key, value]
+    return args
+
+
+def _sandbox_env() -> dict[str, str]:
+    return {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8", "MPLBACKEND": "Agg",
+            "MPLCONFIGDIR": "/tmp/mpl", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
+            "MKL_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0"}
+
+
+# -- the zygote ---------------------------------------------------------------------------------
+
+
+class _Zygote:
+    """One sandboxed parent process per host process and mode; forks one worker per sandbox."""
+
+    def __init__(self, mode: Literal["bwrap", "rlimit"]) -> None:
+        self.mode = mode
+        self.lock = threading.Lock()
+        self.proc: subprocess.Popen | None = None
+        self.control: socket.socket | None = None
+        self.events: dict[str, dict] = {}
+        self.exits: dict[str, dict] = {}
+        self.cond = threading.Condition()
+        self.stderr_tail: list[str] = []
+        self.tmp_base: str | None = None
+
+    def _alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self) -> None:
+        host, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        fd = child.fileno()
+        if self.mode == "bwrap":
+            argv = ["bwrap", *_base_bwrap_args(), "--ro-bind", str(ZYGOTE_SCRIPT),
+                    SANDBOX_ZYGOTE_PATH, "--", sys.executable, "-I", "-B",
+                    SANDBOX_ZYGOTE_PATH, str(fd), "strict"]
+            env = None
+            cwd = None
+        else:
+            self.tmp_base = tempfile.mkdtemp(prefix="pyvision-sandbox-")
+            argv = [sys.executable, "-I", "-B", str(ZYGOTE_SCRIPT), str(fd), "rlimit"]
+            env = {**_sandbox_env(), "HOME": self.tmp_base, "MPLCONFIGDIR": self.tmp_base,
+                   "TMPDIR": self.tmp_base}
+            cwd = self.tmp_base
+        self.proc = subprocess.Popen(argv, pass_fds=[fd], stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                     env=env, cwd=cwd, start_new_session=True)
+        child.close()
+        self.control = host
+        threading.Thread(target=self._drain_stderr, daemon=True).start()
+        host.settimeout(120)
+        try:
+            ready = json.loads(host.recv(65536) or b"{}")
+        except (OSError, ValueError):
+            ready = {}
+        if ready.get("event") != "ready":
+            self.proc.kill()
+            time.sleep(0.1)
+            raise RuntimeError("sandbox zygote failed to start: "
+                               + " | ".join(self.stderr_tail[-10:]))
+        host.settimeout(None)
+        threading.Thread(target=self._read_events, daemon=True).start()
+
+    def _drain_stderr(self) -> None:
+        assert self.proc is not None and self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.stderr_tail.append(line.decode("utf-8", "replace").rstrip())
+            del self.stderr_tail[:-50]
+
+    def _read_events(self) -> None:
+        control = self.control
+        while True:
+            try:
+                data = control.recv(65536)  # type: ignore[union-attr]
+            except OSError:
+                data = b""
+            if not data:
+                with self.cond:
+                    self.cond.notify_all()
+                return
+            msg = json.loads(data)
+            with self.cond:
+                if msg.get("event") == "exit":
+                    self.exits[msg["id"]] = msg
+                else:
+                    self.events[msg.get("id", "")] = msg
+                self.cond.notify_all()
+
+    def spawn(self, sid: str, limits: dict) -> socket.socket:
+        with self.lock:
+            if not self._alive():
+                self.start()
+            host_end, worker_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            payload = json.dumps({"op": "spawn", "id": sid, "limits": limits}).encode()
+            socket.send_fds(self.control, [payload], [worker_end.fileno()])  # type: ignore[arg-type]
+            worker_end.close()
+        with self.cond:
+            if not self.cond.wait_for(lambda: sid in self.events or not self._alive(), timeout=60):
+                raise RuntimeError("sandbox zygote did not answer a spawn request")
+            self.events.pop(sid, None)
+        return host_end
+
+    def kill(self, sid: str) -> None:
+        with self.lock:
+            if self._alive() and self.control is not None:
+                try:
+                    self.control.send(json.dumps({"op": "kill", "id": sid}).encode())
+                except OSError:
+                    pass
+
+    def wait_exit(self, sid: str, timeout: float) -> dict | None:
+        with self.cond:
+            self.cond.wait_for(lambda: sid in self.exits or not self._alive(), timeout=timeout)
+            return self.exits.pop(sid, None)
+
+    def forget(self, sid: str) -> None:
+        with self.cond:
+            self.exits.pop(sid, None)
+
+    def shutdown(self) -> None:
+        with self.lock:
+            if self.control is not None:
+                self.control.close()
+                self.control = None
+            if self.proc is not None:
+                try:
+                    self.proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                self.proc = None
+            if self.tmp_base:
+                shutil.rmtree(self.tmp_base, ignore_errors=True)
+                self.tmp_base = None
+
+
+_ZYGOTES: dict[str, _Zygote] = {}
+_ZYGOTES_LOCK = threading.Lock()
+
+
+def _zygote(mode: Literal["bwrap", "rlimit"]) -> _Zygote:
+    with _ZYGOTES_LOCK:
+        if mode not in _ZYGOTES:
+            _ZYGOTES[mode] = _Zygote(mode)
+        return _ZYGOTES[mode]
+
+
+def shutdown() -> None:
+    """Stop the zygotes (and with them every sandbox). Called at interpreter exit."""
+    with _ZYGOTES_LOCK:
+        for z in _ZYGOTES.values():
+            z.shutdown()
+
+
+atexit.register(shutdown)
+
+
+# -- media ----------------------------------------------------------------------------------------
+
+
+def _image_media(name: str, value: Any) -> tuple[dict, bytes]:
+    """(spec, bytes) for an image: raw pixels for in-memory images (no encoding cost), the file's
+    own bytes otherwise (decoded inside the sandbox)."""
+    from PIL import Image
+
+    if isinstance(value, Image.Image):
+        img = value if value.mode in ("RGB", "RGBA", "L") else value.convert("RGB")
+        return ({"name": name, "kind": "image_raw", "mode": img.mode, "size": list(img.size)},
+                img.tobytes())
+    return {"name": name, "kind": "image"}, _image_bytes(name, value)
+
+
+def _image_bytes(name: str, value: Any) -> bytes:
+    from PIL import Image, UnidentifiedImageError
+
+    path = Path(value)
+    if not path.is_file():
+        raise DataError(f"image for {name} not found: {path}", hint="check the task's media paths")
+    data = path.read_bytes()
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            img.verify()
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
+        raise DataError(f"image for {name} is corrupt or not an image: {path} ({exc})",
+                        hint="replace the file or drop the task") from None
+    return data
+
+
+def _video_bytes(name: str, value: Any) -> tuple[bytes, str]:
+    path = Path(value)
+    if not path.is_file():
+        raise DataError(f"video for {name} not found: {path}", hint="check the task's media paths")
+    try:
+        import decord
+
+        reader = decord.VideoReader(str(path))
+        if len(reader) == 0:
+            raise ValueError("no frames")
+        del reader
+    except Exception as exc:  # noqa: BLE001 - any decoder failure means an unusable video
+        raise DataError(f"video for {name} cannot be decoded: {path} ({exc})",
+                        hint="re-encode it (e.g. H.264 mp4) or drop the task") from None
+    return path.read_bytes(), path.suffix or ".mp4"
+
+
+# -- the sandbox ------------------------------------------------------------------------------------
+
+
+def _send_frame(sock: socket.socket, payload: bytes) -> None:
+    sock.sendall(struct.pack(">I", len(payload)) + payload)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(min(n - len(buf), 1 << 20))
+        if not chunk:
+            raise EOFError
+        buf += chunk
+    return bytes(buf)
+
+
+def _recv_frame(sock: socket.socket, limit: int) -> bytes:
+    (n,) = struct.unpack(">I", _recv_exact(sock, 4))
+    if n > limit:
+        raise ValueError(f"sandbox sent a {n}-byte frame (limit {limit})")
+    return _recv_exact(sock, n)
+
+
+class Sandbox:
+    """A persistent, isolated Python runtime for one trajectory."""
+
+    def __init__(self, config: SandboxConfig | None = None, *,
+                 images: Mapping[str, Any] | None = None,
+                 videos: Mapping[str, Any] | None = None) -> None:
+        self.config = config or SandboxConfig()
+        # Bad media is reported before anything runs.
+        self._media: list[tuple[dict, bytes]] = []
+        for name, value in (images or {}).items():
+            self._media.append(_image_media(name, value))
+        for name, value in (videos or {}).items():
+            data, suffix = _video_bytes(name, value)
+            self._media.append(({"name": name, "kind": "video", "suffix": suffix}, data))
+        self._mode = isolation_mode(self.config)
+        self._zygote = _zygote(self._mode)
+        self._sock: socket.socket | None = None
+        self._sid = ""
+        self._restarted = False
+        self._closed = False
+        self._start()
+
+    @property
+    def isolation(self) -> Literal["bwrap", "rlimit"]:
+        return self._mode
+
+    def _limits(self) -> dict:
+        c = self.config
+        media_mb = sum(len(b) for _, b in self._media) // (1024 * 1024)
+        return {"memory_mb": c.memory_mb, "cpu_seconds": c.cpu_seconds,
+                "max_processes": c.max_processes, "max_file_mb": c.max_file_mb,
+                "max_open_files": c.max_open_files, "max_output_chars": c.max_output_chars,
+                "max_images_per_call": c.max_images_per_call,
+                "tmp_mb": c.max_file_mb * 2 + media_mb + 16}
+
+    def _start(self) -> None:
+        self._sid = uuid.uuid4().hex
+        sock = self._zygote.spawn(self._sid, self._limits())
+        sock.settimeout(max(self.config.timeout_s, 30.0))
+        try:
+            _send_frame(sock, json.dumps({"media": [spec for spec, _ in self._media]}).encode())
+            for _, blob in self._media:
+                _send_frame(sock, blob)
+            ready = json.loads(_recv_frame(sock, 1 << 16))
+            if not ready.get("ready"):
+                raise RuntimeError("sandbox worker did not become ready")
+        except (OSError, EOFError, ValueError) as exc:
+            self._zygote.kill(self._sid)
+            info = self._zygote.wait_exit(self._sid, 2.0)
+            raise RuntimeError(f"sandbox failed to start ({exc}; exit {info}); zygote log: "
+                               + " | ".join(self._zygote.stderr_tail[-5:])) from None
+        self._sock = sock
+
+    def run(self, code: str) -> ExecResult:
+        """Run ``code`` in the persistent runtime; never raises for anything the code does."""
+        if self._closed:
+            raise RuntimeError("sandbox is closed")
+        note = ""
+        if self._sock is None:
+            self._start()
+            note = ("[sandbox: the runtime was restarted after the previous call failed; "
+                    "variables defined earlier are gone, the media are loaded again]\n")
+        sock = self._sock
+        assert sock is not None
+        start = time.monotonic()
+        try:
+            sock.settimeout(self.config.timeout_s)
+            _send_frame(sock, json.dumps({"type": "run", "code": code}).encode())
+            header = json.loads(_recv_frame(sock, MAX_HEADER_BYTES))
+            sizes = header.get("image_sizes", [])
+            if not isinstance(sizes, list) or any(not isinstance(s, int) or s > MAX_IMAGE_BYTES
+                                                  for s in sizes):
+                raise ValueError("bad image sizes")
+            images = [_recv_frame(sock, MAX_IMAGE_BYTES) for _ in sizes]
+        except socket.timeout:
+            self._kill()
+            return ExecResult("timeout", "", note + f"TimeoutError: the code ran longer than "
+                              f"{self.config.timeout_s:g} s and was stopped (with every process "
+                              "it started)", [], time.monotonic() - start, False)
+        except (EOFError, OSError, ValueError) as exc:
+            info = self._zygote.wait_exit(self._sid, 2.0) or {}
+            self._kill()
+            return self._crash_result(info, exc, note, time.monotonic() - start)
+        status = header.get("status")
+        if status not in ("ok", "error", "oom"):
+            status = "crashed"
+        valid_images = [b for b in images if _is_png(b)]
+        dropped = len(images) - len(valid_images)
+        stderr = str(header.get("stderr", ""))
+        if dropped:
+            stderr += f"\n[sandbox: {dropped} invalid image(s) dropped]"
+        return ExecResult(status, note + str(header.get("stdout", "")), stderr, valid_images,
+                          float(header.get("duration_s", time.monotonic() - start)),
+                          bool(header.get("truncated", False)))
+
+    def _crash_result(self, info: dict, exc: Exception, note: str, duration: float) -> ExecResult:
+        sig = info.get("signal")
+        if sig == 24:  # SIGXCPU: the CPU-seconds rlimit
+            return ExecResult("timeout", "", note + f"TimeoutError: the code used more than "
+                              f"{self.config.cpu_seconds} CPU seconds and was stopped",
+                              [], duration, False)
+        if sig == 9 and info:
+            return ExecResult("oom", "", note + "MemoryError: the sandbox process was killed "
+                              "(out of memory)", [], duration, False)
+        what = (f"killed by {SIGNAL_NAMES.get(sig, f'signal {sig}')}" if sig
+                else f"exited with code {info.get('code')}" if info else f"lost ({exc})")
+        return ExecResult("crashed", "", note + f"The Python runtime crashed: it {what}. "
+                          "It will be restarted on the next call, without earlier variables.",
+                          [], duration, False)
+
+    def _kill(self) -> None:
+        self._zygote.kill(self._sid)
+        self._zygote.wait_exit(self._sid, 2.0)
+        self._zygote.forget(self._sid)
+        if self._sock is not None:
+            self._sock.close()
+        self._sock = None
+
+    def close(self) -> None:
+        """End the sandbox and every process it started (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._sock is not None:
+            self._kill()
+
+    def __enter__(self) -> "Sandbox":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+def _is_png(data: bytes) -> bool:
+    """A PNG the host can safely decode: magic bytes, parseable header, bounded pixel count."""
+    if not data.startswith(b"\x89PNG\r\n\x1a\n"):
+        return False
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            w, h = img.size
+            return w * h <= MAX_IMAGE_PIXELS
+    except Exception:  # noqa: BLE001 - anything unparseable is dropped
+        return False

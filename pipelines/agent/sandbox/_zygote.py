@@ -1,0 +1,557 @@
+"""The process that runs inside the sandbox: a zygote that forks one worker per sandbox.
+
+This file is executed by the sandboxed interpreter (``python -I -B _zygote.py CONTROL_FD MODE``)
+and imports nothing from the project: inside the sandbox only the Python runtime and this file
+are visible. It speaks two protocols:
+
+* control (zygote <-> host, AF_UNIX SOCK_SEQPACKET on CONTROL_FD): JSON messages; ``spawn``
+  carries one end of a fresh socketpair (SCM_RIGHTS) plus the limits; ``kill`` ends a sandbox;
+  the zygote reports ``exit`` events with the worker's exit code or signal.
+* worker (worker <-> host, AF_UNIX SOCK_STREAM): frames of ``4-byte big-endian length + JSON``,
+  followed by ``length + raw bytes`` blobs for media and PNG images.
+
+Worker set-up, in ``strict`` mode: new user, mount, pid, network, IPC and UTS namespaces (so no
+sibling sandbox is visible, addressable or reachable), a private size-limited tmpfs on /tmp, an
+empty tmpfs over /proc, every capability dropped, no_new_privs, non-dumpable, rlimits, and pid 1
+of its own pid namespace: when it is killed, every process it started dies with it. In
+``rlimit`` mode only the rlimits, a new session/process group and a temporary working directory
+apply.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import io
+import json
+import os
+import resource
+import select
+import signal
+import socket
+import struct
+import sys
+import tempfile
+import threading
+import time
+import traceback
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWUTS = 0x04000000
+CLONE_NEWIPC = 0x08000000
+CLONE_NEWUSER = 0x10000000
+CLONE_NEWPID = 0x20000000
+CLONE_NEWNET = 0x40000000
+MS_REC, MS_PRIVATE, MS_NOSUID, MS_NODEV = 0x4000, 0x40000, 0x2, 0x4
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 4, 24, 38
+SYS_CAPSET = 126  # x86_64
+MAX_FRAME = 256 * 1024 * 1024
+
+libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _check(ret: int, what: str) -> None:
+    if ret != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+# -- framing -------------------------------------------------------------------------------------
+
+
+def send_frame(sock: socket.socket, payload: bytes) -> None:
+    sock.sendall(struct.pack(">I", len(payload)) + payload)
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(min(n - len(buf), 1 << 20))
+        if not chunk:
+            raise EOFError("peer closed")
+        buf += chunk
+    return bytes(buf)
+
+
+def recv_frame(sock: socket.socket) -> bytes:
+    (n,) = struct.unpack(">I", recv_exact(sock, 4))
+    if n > MAX_FRAME:
+        raise ValueError("frame too large")
+    return recv_exact(sock, n)
+
+
+# -- bounded output capture -----------------------------------------------------------------------
+
+
+class BoundedText(io.TextIOBase):
+    """Keeps the first and last ``limit // 2`` characters of everything written, counts the rest."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = max(limit, 2)
+        self.head: list[str] = []
+        self.head_len = 0
+        self.tail = ""
+        self.total = 0
+        self.lock = threading.Lock()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, s) -> int:  # type: ignore[override]
+        if not isinstance(s, str):
+            s = str(s)
+        with self.lock:
+            self.total += len(s)
+            half = self.limit // 2
+            if self.head_len < half:
+                take = s[: half - self.head_len]
+                self.head.append(take)
+                self.head_len += len(take)
+                s = s[len(take):]
+            if s:
+                self.tail = (self.tail + s)[-(self.limit - half):]
+        return len(s)
+
+    def getvalue(self) -> tuple[str, bool]:
+        with self.lock:
+            head = "".join(self.head)
+            kept = len(head) + len(self.tail)
+            if self.total <= kept:
+                return head + self.tail, False
+            dropped = self.total - kept
+            return f"{head}\n... [truncated {dropped} characters] ...\n{self.tail}", True
+
+    def flush(self) -> None:
+        return None
+
+
+# -- isolation steps ----------------------------------------------------------------------------
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "w") as fh:
+        fh.write(text)
+
+
+def enter_namespaces(tmp_mb: int) -> None:
+    """New user/mount/pid/net/ipc/uts namespaces mapping our uid to itself; private /tmp."""
+    uid, gid = os.getuid(), os.getgid()
+    libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)  # /proc/self/*_map must be writable by us
+    _check(libc.unshare(CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC
+                        | CLONE_NEWUTS), "unshare")
+    _write("/proc/self/setgroups", "deny")
+    _write("/proc/self/uid_map", f"{uid} {uid} 1\n")
+    _write("/proc/self/gid_map", f"{gid} {gid} 1\n")
+    _check(libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None), "make mounts private")
+    opts = f"size={tmp_mb}m,mode=1777".encode()
+    _check(libc.mount(b"tmpfs", b"/tmp", b"tmpfs", MS_NOSUID | MS_NODEV, opts), "mount /tmp")
+
+
+def hide_proc() -> None:
+    """Cover /proc with an empty tmpfs: nothing about other processes is readable."""
+    _check(libc.mount(b"tmpfs", b"/proc", b"tmpfs", MS_NOSUID | MS_NODEV, b"size=16k,mode=555"),
+           "hide /proc")
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
+                ("inheritable", ctypes.c_uint32)]
+
+
+def drop_capabilities() -> None:
+    """Empty the bounding set and all capability sets; forbid regaining privileges."""
+    for cap in range(64):
+        if libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 and ctypes.get_errno() == 22:
+            break  # EINVAL: past the last capability this kernel knows
+    header = _CapHeader(0x20080522, 0)
+    data = (_CapData * 2)()
+    _check(libc.syscall(SYS_CAPSET, ctypes.byref(header), ctypes.byref(data)), "capset")
+    _check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
+
+
+def apply_rlimits(limits: dict) -> None:
+    mb = 1024 * 1024
+    resource.setrlimit(resource.RLIMIT_AS, (limits["memory_mb"] * mb,) * 2)
+    cpu = int(limits["cpu_seconds"])
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+    resource.setrlimit(resource.RLIMIT_NPROC, (limits["max_processes"],) * 2)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limits["max_file_mb"] * mb,) * 2)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limits["max_open_files"],) * 2)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
+# -- the runtime the model's code sees ----------------------------------------------------------
+
+
+def _preload() -> dict:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from PIL import Image, ImageDraw, ImageEnhance, ImageFilter, ImageOps
+
+    mods = {"np": np, "numpy": np, "plt": plt, "matplotlib": matplotlib, "Image": Image,
+            "ImageDraw": ImageDraw, "ImageEnhance": ImageEnhance, "ImageFilter": ImageFilter,
+            "ImageOps": ImageOps, "io": io, "math": __import__("math")}
+    try:
+        import scipy.ndimage  # noqa: F401 - warm the import for measuring/counting code
+    except ImportError:
+        pass
+    try:
+        import decord
+
+        mods["decord"] = decord
+    except ImportError:
+        pass
+    return mods
+
+
+class Runtime:
+    """Persistent globals, image capture and bounded output for one sandbox."""
+
+    MAX_ASPECT = 200
+
+    def __init__(self, preloaded: dict, limits: dict) -> None:
+        self.limits = limits
+        self.plt = preloaded["plt"]
+        self.Image = preloaded["Image"]
+        self.images: list[bytes] = []
+        self.globals: dict = {"__name__": "__main__", "__builtins__": __builtins__, **preloaded}
+        self.globals["display"] = self.display
+        runtime = self
+
+        def _plt_show(*_args, **_kwargs):
+            runtime.capture_figures()
+
+        def _pil_show(img, *_args, **_kwargs):
+            runtime.add_pil(img)
+
+        self.plt.show = _plt_show
+        self.Image.Image.show = _pil_show
+
+    def _png(self, save) -> bytes:
+        buf = io.BytesIO()
+        save(buf)
+        return buf.getvalue()
+
+    def _check_aspect(self, w: float, h: float) -> None:
+        if min(w, h) <= 0 or max(w, h) / min(w, h) >= self.MAX_ASPECT:
+            raise ValueError(f"image aspect ratio {w}x{h} is too extreme to show "
+                             f"(must be below {self.MAX_ASPECT}:1)")
+
+    def add_pil(self, img) -> None:
+        self._check_aspect(*img.size)
+        if len(self.images) < self.limits["max_images_per_call"]:
+            self.images.append(self._png(lambda b: img.save(b, format="PNG")))
+        else:
+            print(f"[sandbox: more than {self.limits['max_images_per_call']} images in one call; "
+                  "extra images dropped]")
+
+    def capture_figures(self) -> None:
+        plt = self.plt
+        for num in plt.get_fignums():
+            fig = plt.figure(num)
+            w, h = fig.get_size_inches() * fig.dpi
+            try:
+                self._check_aspect(w, h)
+                if len(self.images) < self.limits["max_images_per_call"]:
+                    self.images.append(self._png(lambda b: fig.savefig(b, format="png",
+                                                                       bbox_inches="tight")))
+                else:
+                    print("[sandbox: too many figures in one call; extra figures dropped]")
+            finally:
+                plt.close(fig)
+
+    def display(self, obj) -> None:
+        """Show a PIL image, a numpy array or a matplotlib figure to the model."""
+        if isinstance(obj, self.Image.Image):
+            self.add_pil(obj)
+        elif hasattr(obj, "savefig"):
+            self._check_aspect(*(obj.get_size_inches() * obj.dpi))
+            self.images.append(self._png(lambda b: obj.savefig(b, format="png")))
+            self.plt.close(obj)
+        elif hasattr(obj, "shape") and hasattr(obj, "dtype"):
+            self.add_pil(self.Image.fromarray(obj))
+        else:
+            print(repr(obj))
+
+    def run(self, code: str) -> dict:
+        limit = int(self.limits["max_output_chars"])
+        out = BoundedText(limit)
+        self.images = []
+        old_out, old_err = sys.stdout, sys.stderr
+        sys.stdout = sys.stderr = out
+        _pumps.set_sink(out)
+        start = time.monotonic()
+        status, error = "ok", ""
+        try:
+            compiled = compile(code, "<code>", "exec")
+            exec(compiled, self.globals)
+            # Figures drawn but never shown are closed, not leaked into the next call.
+            self.plt.close("all")
+        except MemoryError:
+            status, error = "oom", "MemoryError: the code exceeded the sandbox's memory limit"
+        except SystemExit as exc:
+            status, error = "error", f"SystemExit: {exc.code!r} (sys.exit() ends nothing here; " \
+                                     "the runtime keeps its state)"
+        except BaseException:  # noqa: BLE001 - every user error becomes a result
+            status = "error"
+            etype, value, tb = sys.exc_info()
+            frames = [f for f in traceback.extract_tb(tb) if f.filename == "<code>"]
+            lines = code.splitlines()
+            for f in frames:
+                if f.lineno and 0 < f.lineno <= len(lines):
+                    f._line = lines[f.lineno - 1]  # type: ignore[attr-defined]
+            error = "Traceback (most recent call last):\n" + "".join(
+                traceback.format_list(frames)) + "".join(
+                traceback.format_exception_only(etype, value))
+            try:
+                self.plt.close("all")
+            except Exception:  # noqa: BLE001
+                pass
+        finally:
+            sys.stdout, sys.stderr = old_out, old_err
+        _pumps.drain()
+        _pumps.set_sink(None)
+        text, truncated = out.getvalue()
+        err = BoundedText(limit)
+        err.write(error)
+        err_text, err_trunc = err.getvalue()
+        return {"status": status, "stdout": text, "stderr": err_text,
+                "truncated": truncated or err_trunc, "duration_s": time.monotonic() - start,
+                "images": self.images}
+
+
+class _FdPumps:
+    """Routes bytes written to fds 1 and 2 (C code, child processes) to the current call's sink.
+
+    ``drain`` writes a marker into the pipe and waits until the reader has passed it: the pipe is
+    FIFO, so everything written before the call ended has then reached the sink.
+    """
+
+    MARKER = b"\x00pyvision-drain\x00"
+
+    def __init__(self) -> None:
+        self.sink: BoundedText | None = None
+        self.lock = threading.Lock()
+        self.drained = threading.Event()
+        self.write_fd: int | None = None
+
+    def set_sink(self, sink: BoundedText | None) -> None:
+        with self.lock:
+            self.sink = sink
+
+    def drain(self, timeout_s: float = 1.0) -> None:
+        if self.write_fd is None:
+            return
+        libc.fflush(None)
+        self.drained.clear()
+        try:
+            os.write(self.write_fd, self.MARKER)
+        except OSError:
+            return
+        self.drained.wait(timeout_s)
+
+    def start(self) -> None:
+        r, w = os.pipe()
+        # A private write end for markers, so user code closing fd 1 cannot block draining.
+        self.write_fd = os.dup(w)
+        os.dup2(w, 1)
+        os.dup2(w, 2)
+        os.close(w)
+        threading.Thread(target=self._loop, args=(r,), daemon=True).start()
+
+    def _emit(self, data: bytes) -> None:
+        with self.lock:
+            if self.sink is not None and data:
+                self.sink.write(data.decode("utf-8", "replace"))
+
+    def _loop(self, fd: int) -> None:
+        carry = b""
+        keep = len(self.MARKER) - 1
+        while True:
+            try:
+                data = os.read(fd, 65536)
+            except OSError:
+                return
+            if not data:
+                return
+            data = carry + data
+            while (i := data.find(self.MARKER)) >= 0:
+                self._emit(data[:i])
+                data = data[i + len(self.MARKER):]
+                self.drained.set()
+            # Hold back a possible partial marker at the end of this read.
+            self._emit(data[:-keep] if len(data) > keep else b"")
+            carry = data[-keep:] if len(data) > keep else data
+
+
+_pumps = _FdPumps()
+
+
+# -- worker ------------------------------------------------------------------------------------
+
+
+def worker_main(sock: socket.socket, limits: dict, preloaded: dict, mode: str) -> None:
+    init = json.loads(recv_frame(sock))
+    workdir = "/tmp" if mode == "strict" else tempfile.mkdtemp(prefix="pyvision-sbx-")
+    os.chdir(workdir)
+    os.environ.clear()
+    os.environ.update({"HOME": workdir, "TMPDIR": workdir, "PATH": "/usr/bin:/bin",
+                       "MPLCONFIGDIR": workdir, "OMP_NUM_THREADS": "1", "LANG": "C.UTF-8"})
+    runtime = Runtime(preloaded, limits)
+    Image = preloaded["Image"]
+    for spec in init.get("media", []):
+        blob = recv_frame(sock)
+        if spec["kind"] == "image_raw":
+            runtime.globals[spec["name"]] = Image.frombytes(spec["mode"], tuple(spec["size"]), blob)
+        elif spec["kind"] == "image":
+            img = Image.open(io.BytesIO(blob))
+            img.load()
+            runtime.globals[spec["name"]] = img.convert("RGB") if img.mode not in ("RGB", "L") else img
+        else:
+            path = os.path.join(workdir, f"{spec['name']}{spec.get('suffix', '.mp4')}")
+            with open(path, "wb") as fh:
+                fh.write(blob)
+            del blob
+            runtime.globals[spec["name"]] = preloaded["decord"].VideoReader(path)
+    send_frame(sock, json.dumps({"ready": True}).encode())
+    while True:
+        try:
+            msg = json.loads(recv_frame(sock))
+        except EOFError:
+            os._exit(0)
+        if msg.get("type") != "run":
+            continue
+        result = runtime.run(msg["code"])
+        images = result.pop("images")
+        result["image_sizes"] = [len(b) for b in images]
+        send_frame(sock, json.dumps(result).encode())
+        for blob in images:
+            send_frame(sock, blob)
+
+
+def _close_fds_except(keep: set[int]) -> None:
+    for fd in range(3, 4096):
+        if fd not in keep:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def spawn(conn_fd: int, limits: dict, preloaded: dict, mode: str, control_fd: int) -> int:
+    """Fork the processes of one sandbox; return the pid the zygote tracks."""
+    pid = os.fork()
+    if pid:
+        os.close(conn_fd)
+        return pid
+    # Intermediate: leaves the zygote's namespaces, then forks the worker (pid 1 of a new pid ns).
+    code = 70
+    try:
+        os.close(control_fd)
+        _close_fds_except({0, 1, 2, conn_fd})
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.close(devnull)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        # A session and process group of its own: kill(0, ...) from the code cannot reach the
+        # zygote's group (same uid, so the kernel would allow it).
+        os.setsid()
+        if mode == "strict":
+            enter_namespaces(int(limits.get("tmp_mb", 256)))
+        worker = os.fork()
+        if worker == 0:
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            if mode == "strict":
+                # pid 1 of its own namespace: killing it ends every process it started. In
+                # rlimit mode it stays in the intermediate's group, which the zygote kills.
+                os.setsid()
+            sock = socket.socket(fileno=conn_fd)
+            if mode == "strict":
+                hide_proc()
+                drop_capabilities()
+            apply_rlimits(limits)
+            libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+            _pumps.start()
+            try:
+                worker_main(sock, limits, preloaded, mode)
+            finally:
+                os._exit(0)
+        os.close(conn_fd)
+        _, status = os.waitpid(worker, 0)
+        # The zygote reads codes above 128 as "killed by signal code - 128".
+        code = 128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+    except BaseException:  # noqa: BLE001 - report set-up failures through the exit code
+        traceback.print_exc()
+        code = 71
+    os._exit(code)
+
+
+def zygote_main(control_fd: int, mode: str) -> None:
+    control = socket.socket(fileno=control_fd)
+    if mode == "strict" and os.getuid() == 0:
+        # Started by a root host: bwrap created no user namespace, so drop to nobody here. With a
+        # non-zero uid the kernel enforces RLIMIT_NPROC (it never does for uid 0).
+        os.setgroups([])
+        os.setresgid(65534, 65534, 65534)
+        os.setresuid(65534, 65534, 65534)
+    libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    preloaded = _preload()
+    children: dict[int, str] = {}
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    control.send(json.dumps({"event": "ready", "uid": os.getuid(), "pid": os.getpid()}).encode())
+    while True:
+        ready, _, _ = select.select([control], [], [], 0.2)
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            sid = children.pop(pid, None)
+            if sid is not None:
+                if os.WIFSIGNALED(status):
+                    info = {"signal": os.WTERMSIG(status)}
+                else:
+                    code = os.WEXITSTATUS(status)
+                    info = {"signal": code - 128} if code > 128 else {"code": code}
+                try:
+                    control.send(json.dumps({"event": "exit", "id": sid, **info}).encode())
+                except OSError:
+                    os._exit(0)
+        if not ready:
+            continue
+        try:
+            data, fds, _, _ = socket.recv_fds(control, 65536, 4)
+        except OSError:
+            os._exit(0)
+        if not data:
+            for pid in children:
+                os.kill(pid, signal.SIGKILL)
+            os._exit(0)
+        msg = json.loads(data)
+        if msg["op"] == "spawn" and fds:
+            pid = spawn(fds[0], msg["limits"], preloaded, mode, control.fileno())
+            children[pid] = msg["id"]
+            control.send(json.dumps({"event": "spawned", "id": msg["id"]}).encode())
+        elif msg["op"] == "kill":
+            for pid, sid in children.items():
+                if sid == msg["id"]:
+                    try:
+                        if mode != "strict":
+                            os.killpg(pid, signal.SIGKILL)  # the intermediate leads the group
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+
+
+if __name__ == "__main__":
+    zygote_main(int(sys.argv[1]), sys.argv[2])

@@ -1,0 +1,47 @@
+"""Benchmarks of the project's own speed (`pyvision perf ...`), printed as JSON.
+
+Performance targets are checked here, by measurement, rather than by timed tests that would
+flake on a busy machine.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from pathlib import Path
+
+
+def summary_ms(samples_s: list[float]) -> dict[str, float]:
+    """Median and 95th percentile of durations given in seconds, as milliseconds."""
+    ms = sorted(s * 1000 for s in samples_s)
+    p95 = ms[min(len(ms) - 1, max(0, round(0.95 * (len(ms) - 1))))]
+    return {"median": round(statistics.median(ms), 3), "p95": round(p95, 3), "n": len(ms)}
+
+
+def process_tree_memory_mb(root_pid: int | None = None) -> dict[str, float]:
+    """RSS and PSS (shared pages split fairly) of a process and all its descendants, in MiB."""
+    root = root_pid or os.getpid()
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    todo, tree = [root], []
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo.extend(children.get(pid, []))
+    rss = pss = 0
+    for pid in tree:
+        try:
+            for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Rss:"):
+                    rss += int(line.split()[1])
+                elif line.startswith("Pss:"):
+                    pss += int(line.split()[1])
+        except OSError:
+            continue
+    return {"rss_mb": round(rss / 1024, 1), "pss_mb": round(pss / 1024, 1), "processes": len(tree)}

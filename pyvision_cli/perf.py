@@ -1,0 +1,38 @@
+"""`pyvision perf`: benchmarks of the project's own speed, printed as JSON."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from pyvision_cli.common import JsonOpt, command, err, make_app, print_json
+
+app = make_app("Benchmarks of the project's own speed (JSON with --json).", group=True)
+
+
+@command(app, "sandbox")
+def perf_sandbox(
+    repeats: Annotated[int, typer.Option(help="Samples per measurement.", min=3)] = 30,
+    n_concurrent: Annotated[int, typer.Option(help="Live sandboxes at once.", min=1)] = 64,
+    isolation: Annotated[str, typer.Option(help="auto | bwrap | rlimit")] = "auto",
+    json_out: JsonOpt = False,
+) -> None:
+    """Sandbox start time, call overhead, 1024x1024 crop-and-show, and N live sandboxes.
+
+    Targets on a 2-core machine: start <= 200 ms, `x = 1` overhead <= 5 ms (medians), and 64 live
+    sandboxes without running out of memory.
+    """
+    from pipelines.config.sandbox import SandboxConfig
+    from pipelines.perf.sandbox import run_benchmark
+
+    with err.status("measuring the sandbox ..."):
+        result = run_benchmark(repeats, n_concurrent, SandboxConfig(isolation=isolation))  # type: ignore[arg-type]
+    if json_out:
+        print_json(result)
+    else:
+        err.print(f"isolation {result['isolation']}: start {result['start_ms']['median']} ms, "
+                  f"x=1 {result['call_overhead_ms']['median']} ms, crop+show "
+                  f"{result['crop_show_ms']['median']} ms (medians); {n_concurrent} live "
+                  f"sandboxes: {result['concurrent']['peak_rss_mb']} MB RSS, "
+                  f"{result['concurrent']['peak_pss_mb']} MB PSS")

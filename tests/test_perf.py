@@ -1,0 +1,20 @@
+"""`pyvision perf` commands print the promised JSON (no timing assertions: those flake)."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from pyvision_cli.perf import app
+
+
+def test_perf_sandbox_json_shape():
+    result = CliRunner().invoke(app, ["sandbox", "--json", "--repeats", "3", "--n-concurrent", "3"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    for key in ("start_ms", "call_overhead_ms", "crop_show_ms"):
+        assert set(data[key]) >= {"median", "p95"} and data[key]["median"] > 0
+        assert data[key]["p95"] >= data[key]["median"]
+    assert data["concurrent"]["n"] == 3 and data["concurrent"]["alive"] == 3
+    assert data["concurrent"]["peak_rss_mb"] > 0
