@@ -1,0 +1,290 @@
+"""`pyvision report`: results tables, training curves and a self-contained HTML page.
+
+Everything shown is read from the store: evaluation aggregates (runs x models x benchmarks, as in
+the paper's tables: base vs SFT vs RL), per-step training metrics (reward and its terms, accuracy,
+tool calls per trajectory, response length, kept and dropped groups, SFT loss), and per-sample
+evaluation records (visual tokens per sample, stop reasons). Several runs can be compared side by
+side.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+from pipelines.errors import UserError
+from pipelines.fsutil import atomic_write_text
+
+PRIMARY_METRICS = ("overall", "accuracy", "average", "acc", "score")
+MODEL_ORDER = {"base": 0, "sft": 1, "rl": 2}
+# Training curves worth plotting first when present (others follow alphabetically).
+CURVE_ORDER = ("reward/mean", "reward/accuracy", "reward/tool", "accuracy", "tool_calls/mean",
+               "turns/mean", "response_length/mean", "strategy/kept_groups",
+               "strategy/dropped_zero_variance", "entropy", "grad_norm", "loss")
+
+
+@dataclass
+class ReportData:
+    runs: list[dict[str, Any]]
+    results: list[dict[str, Any]]
+    curves: dict[str, dict[str, list[tuple[int, float]]]] = field(default_factory=dict)
+    eval_stats: list[dict[str, Any]] = field(default_factory=list)
+
+    def benchmarks(self) -> list[str]:
+        return sorted({r["benchmark"] for r in self.results})
+
+    def rows(self) -> list[tuple[str, str]]:
+        keys = {(r["run"], r["model"]) for r in self.results}
+        return sorted(keys, key=lambda k: (k[0], MODEL_ORDER.get(k[1], 9), k[1]))
+
+
+def primary_metric(metrics: Iterable[str]) -> str:
+    names = list(metrics)
+    for m in PRIMARY_METRICS:
+        if m in names:
+            return m
+    return sorted(names)[0]
+
+
+def collect(store: Any, run_ids: list[str] | None = None) -> ReportData:
+    """Read everything the report shows for ``run_ids`` (default: every run in the store)."""
+    all_runs = store.runs()
+    known = {r["run_id"] for r in all_runs}
+    if run_ids:
+        missing = [r for r in run_ids if r not in known]
+        if missing:
+            raise UserError(f"run '{missing[0]}' is not in the store {store.path}",
+                            hint=f"known runs: {', '.join(sorted(known)) or 'none'}")
+        runs = [r for r in all_runs if r["run_id"] in run_ids]
+    else:
+        runs = all_runs
+    ids = [r["run_id"] for r in runs]
+    results = [{"run": a["run_id"], "model": a["model"], "benchmark": a["benchmark"],
+                "metric": a["metric"], "value": a["value"], "n": a["n"],
+                "benchmark_version": a["benchmark_version"], "prompt_version": a["prompt_version"],
+                "scorer": a["scorer"]} for a in store.eval_aggregates(ids)] if ids else []
+    curves: dict[str, dict[str, list[tuple[int, float]]]] = {}
+    stats = []
+    for rid in ids:
+        per: dict[str, list[tuple[int, float]]] = defaultdict(list)
+        for m in store.metrics(rid):
+            if m["value"] is not None:
+                per[f"{m['stage']}/{m['name']}"].append((int(m["step"]), float(m["value"])))
+        if per:
+            curves[rid] = dict(per)
+        groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
+        for rec in store.eval_records(rid):
+            groups[(rec["model"], rec["benchmark"])].append(rec)
+        for (model, bench), recs in sorted(groups.items(),
+                                           key=lambda kv: (MODEL_ORDER.get(kv[0][0], 9), kv[0])):
+            reasons: dict[str, int] = defaultdict(int)
+            for rec in recs:
+                reasons[rec["stop_reason"] or "unknown"] += 1
+            n = len(recs)
+            stats.append({
+                "run": rid, "model": model, "benchmark": bench, "n": n,
+                "visual_tokens_mean": sum(r["visual_tokens"] or 0 for r in recs) / n,
+                "turns_mean": sum(r["turns"] or 0 for r in recs) / n,
+                "tool_calls_mean": sum(r["tool_calls"] or 0 for r in recs) / n,
+                "stop_reasons": dict(sorted(reasons.items())),
+            })
+    return ReportData(runs=[{k: (str(v) if k == "created_at" else v) for k, v in r.items()}
+                            for r in runs], results=results, curves=curves, eval_stats=stats)
+
+
+def to_json(data: ReportData) -> dict[str, Any]:
+    return {"runs": data.runs,
+            "results": [{k: r[k] for k in ("run", "model", "benchmark", "metric", "value")}
+                        for r in data.results],
+            "eval_stats": data.eval_stats}
+
+
+def results_table(data: ReportData) -> tuple[list[str], list[list[str]]]:
+    """Header and rows: one row per (run, model), one column per benchmark's primary metric."""
+    benches = data.benchmarks()
+    by_key: dict[tuple[str, str, str], dict[str, float]] = defaultdict(dict)
+    for r in data.results:
+        by_key[(r["run"], r["model"], r["benchmark"])][r["metric"]] = r["value"]
+    header = ["run", "model"]
+    for b in benches:
+        metrics = {m for (run, model, bb), ms in by_key.items() if bb == b for m in ms}
+        header.append(f"{b} ({primary_metric(metrics)})" if metrics else b)
+    rows = []
+    for run, model in data.rows():
+        row = [run, model]
+        for b in benches:
+            ms = by_key.get((run, model, b))
+            row.append(f"{100 * ms[primary_metric(ms)]:.1f}" if ms else "-")
+        rows.append(row)
+    return header, rows
+
+
+def detail_rows(data: ReportData) -> list[list[str]]:
+    return [[r["run"], r["model"], r["benchmark"], r["metric"], f"{100 * r['value']:.2f}",
+             str(r["n"]), f"{r['benchmark_version']} / {r['prompt_version']} / {r['scorer']}"]
+            for r in sorted(data.results, key=lambda r: (r["run"], r["benchmark"],
+                                                          MODEL_ORDER.get(r["model"], 9), r["metric"]))]
+
+
+# -- plots ----------------------------------------------------------------------------------------
+
+
+def _curve_names(data: ReportData) -> list[str]:
+    names = {n for per in data.curves.values() for n in per}
+    ordered = [n for key in CURVE_ORDER for n in sorted(names) if n.split("/", 1)[1] == key]
+    return ordered + sorted(names - set(ordered))
+
+
+def make_plots(data: ReportData, out_dir: Path, max_curves: int = 16) -> dict[str, Path]:
+    """Training curves, visual tokens and stop reasons as PNG files; returns name -> path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    made: dict[str, Path] = {}
+    names = _curve_names(data)[:max_curves]
+    if names:
+        cols = min(4, len(names))
+        rows = (len(names) + cols - 1) // cols
+        fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3 * rows), squeeze=False)
+        for ax, name in zip(axes.flat, names):
+            for run, per in sorted(data.curves.items()):
+                if name in per:
+                    steps, values = zip(*sorted(per[name]))
+                    ax.plot(steps, values, marker="o" if len(steps) < 30 else None, ms=3,
+                            label=run)
+            ax.set_title(name, fontsize=9)
+            ax.set_xlabel("step", fontsize=8)
+            ax.tick_params(labelsize=7)
+        for ax in list(axes.flat)[len(names):]:
+            ax.axis("off")
+        axes.flat[0].legend(fontsize=7)
+        fig.tight_layout()
+        made["training_curves"] = out_dir / "training_curves.png"
+        fig.savefig(made["training_curves"], dpi=90)
+        plt.close(fig)
+    if data.eval_stats:
+        labels = [f"{s['run']}\n{s['model']}\n{s['benchmark']}" for s in data.eval_stats]
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(labels)), 4))
+        ax1.bar(range(len(labels)), [s["visual_tokens_mean"] for s in data.eval_stats])
+        ax1.set_title("visual tokens per sample (mean)", fontsize=10)
+        reasons = sorted({r for s in data.eval_stats for r in s["stop_reasons"]})
+        bottom = [0.0] * len(labels)
+        for reason in reasons:
+            vals = [s["stop_reasons"].get(reason, 0) / s["n"] for s in data.eval_stats]
+            ax2.bar(range(len(labels)), vals, bottom=bottom, label=reason)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        ax2.set_title("stop reasons (fraction of samples)", fontsize=10)
+        ax2.legend(fontsize=7)
+        for ax in (ax1, ax2):
+            ax.set_xticks(range(len(labels)), labels, fontsize=6)
+        fig.tight_layout()
+        made["eval_stats"] = out_dir / "eval_stats.png"
+        fig.savefig(made["eval_stats"], dpi=90)
+        plt.close(fig)
+    return made
+
+
+# -- renderers ------------------------------------------------------------------------------------
+
+
+def to_markdown(data: ReportData, images: dict[str, Path] | None = None) -> str:
+    header, rows = results_table(data)
+    lines = ["# PyVision report", "", "## Results (primary metric, %)", ""]
+    if rows:
+        lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        lines += ["| " + " | ".join(r) + " |" for r in rows]
+    else:
+        lines.append("No evaluation results in the store for these runs.")
+    if data.eval_stats:
+        lines += ["", "## Visual tokens and stop reasons", "",
+                  "| run | model | benchmark | n | visual tokens/sample | turns | tool calls | stop reasons |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for s in data.eval_stats:
+            reasons = ", ".join(f"{k}: {v}" for k, v in s["stop_reasons"].items())
+            lines.append(f"| {s['run']} | {s['model']} | {s['benchmark']} | {s['n']} | "
+                         f"{s['visual_tokens_mean']:.0f} | {s['turns_mean']:.2f} | "
+                         f"{s['tool_calls_mean']:.2f} | {reasons} |")
+    for name, path in (images or {}).items():
+        lines += ["", f"![{name}]({path.name})"]
+    if data.results:
+        lines += ["", "## All metrics", "",
+                  "| run | model | benchmark | metric | value (%) | n | versions (benchmark / prompt / scorer) |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += ["| " + " | ".join(r) + " |" for r in detail_rows(data)]
+    return "\n".join(lines) + "\n"
+
+
+_CSS = """body{font-family:system-ui,sans-serif;margin:2em;color:#222}
+table{border-collapse:collapse;margin:1em 0}th,td{border:1px solid #ccc;padding:4px 8px;text-align:right}
+th{background:#f0f0f0}td:first-child,td:nth-child(2){text-align:left}img{max-width:100%;border:1px solid #ddd}
+h1{font-size:1.5em}h2{font-size:1.2em;margin-top:1.5em}.small{color:#666;font-size:.85em}"""
+
+
+def _html_table(header: list[str], rows: list[list[str]], cls: str) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>"
+                   for row in rows)
+    return f'<table class="{cls}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+
+
+def to_html(data: ReportData, images: dict[str, Path] | None = None) -> str:
+    """A self-contained page: inline CSS, images embedded as data URIs."""
+    header, rows = results_table(data)
+    parts = ["<!doctype html><html><head><meta charset='utf-8'><title>PyVision report</title>",
+             f"<style>{_CSS}</style></head><body><h1>PyVision report</h1>",
+             "<p class='small'>Runs: " + html.escape(", ".join(r["run_id"] for r in data.runs))
+             + "</p>", "<h2>Results (primary metric, %)</h2>"]
+    parts.append(_html_table(header, rows, "results") if rows else
+                 "<p>No evaluation results in the store for these runs.</p>")
+    for name, path in (images or {}).items():
+        b64 = base64.b64encode(path.read_bytes()).decode()
+        parts.append(f"<h2>{html.escape(name.replace('_', ' ').capitalize())}</h2>"
+                     f"<img alt='{html.escape(name)}' src='data:image/png;base64,{b64}'>")
+    if data.eval_stats:
+        parts.append("<h2>Visual tokens and stop reasons</h2>")
+        parts.append(_html_table(
+            ["run", "model", "benchmark", "n", "visual tokens/sample", "turns", "tool calls",
+             "stop reasons"],
+            [[s["run"], s["model"], s["benchmark"], str(s["n"]), f"{s['visual_tokens_mean']:.0f}",
+              f"{s['turns_mean']:.2f}", f"{s['tool_calls_mean']:.2f}",
+              ", ".join(f"{k}: {v}" for k, v in s["stop_reasons"].items())]
+             for s in data.eval_stats], "stats"))
+    if data.results:
+        parts.append("<h2>All metrics</h2>")
+        parts.append(_html_table(["run", "model", "benchmark", "metric", "value (%)", "n",
+                                  "versions (benchmark / prompt / scorer)"],
+                                 detail_rows(data), "details"))
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def write_report(store: Any, run_ids: list[str] | None, formats: Iterable[str],
+                 out_dir: str | Path) -> dict[str, str]:
+    """Collect once, render each format into ``out_dir``; returns format -> file path."""
+    data = collect(store, run_ids)
+    if not data.runs:
+        raise UserError(f"the store {store.path} has no runs yet",
+                        hint="run a stage first, e.g. `make demo`, or pass --store")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    formats = list(formats)
+    images = make_plots(data, out) if {"markdown", "html"} & set(formats) else {}
+    written: dict[str, str] = {}
+    for name, path in images.items():
+        written[f"png:{name}"] = str(path)
+    if "json" in formats:
+        written["json"] = str(atomic_write_text(out / "report.json",
+                                                json.dumps(to_json(data), indent=2, default=str)))
+    if "markdown" in formats:
+        written["markdown"] = str(atomic_write_text(out / "report.md", to_markdown(data, images)))
+    if "html" in formats:
+        written["html"] = str(atomic_write_text(out / "report.html", to_html(data, images)))
+    return written

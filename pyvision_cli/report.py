@@ -1,0 +1,53 @@
+"""`pyvision report`: results tables, training curves and an HTML report from the store."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from pyvision_cli.common import StoreOpt, command, err, make_app, print_json
+
+app = make_app("Results tables, training curves and an HTML report.", no_args_is_help=False)
+
+FORMATS = ("table", "markdown", "html", "json")
+
+
+@command(app)
+def report(
+    run: Annotated[Optional[list[str]], typer.Option("--run", help="Run id(s) to include (repeatable) [default: all].")] = None,
+    fmt: Annotated[str, typer.Option("--format", help="table | markdown | html | json")] = "table",
+    out: Annotated[Optional[Path], typer.Option("--out", help="Folder for report files and plots [default: runs/report].")] = None,
+    store: StoreOpt = None,
+) -> None:
+    """Runs by benchmarks (base vs SFT vs RL), training curves, visual tokens and stop reasons.
+
+    `table` prints to the terminal; `markdown` and `html` write report.md / report.html (with PNG
+    plots) into --out; `json` prints {"runs": [..], "results": [..]} on stdout.
+    """
+    from pipelines.errors import UserError
+    from pipelines.report import collect, results_table, to_json, write_report
+    from pipelines.store import Store
+
+    if fmt not in FORMATS:
+        raise UserError(f"unknown --format '{fmt}'", hint=f"use one of {', '.join(FORMATS)}")
+    st = Store(store, read_only=True)
+    if fmt == "json":
+        print_json(to_json(collect(st, run)))
+        return
+    if fmt == "table":
+        from rich.table import Table
+
+        data = collect(st, run)
+        header, rows = results_table(data)
+        table = Table(title="results (primary metric, %)")
+        for h in header:
+            table.add_column(h)
+        for row in rows:
+            table.add_row(*row)
+        err.print(table if rows else "no evaluation results in the store for these runs")
+        return
+    written = write_report(st, run, [fmt], out or Path("runs") / "report")
+    for kind, path in written.items():
+        err.print(f"{kind}: {path}")

@@ -1,0 +1,118 @@
+"""`pyvision report` renders from a store filled by the test; the HTML is checked in Chromium."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from pipelines.report import collect, results_table, write_report
+from pipelines.store import EvalRecord, Store
+from pyvision_cli.report import app
+
+ACC = {"base": 0.10, "sft": 0.40, "rl": 0.55}
+
+
+def fill_store(store: Store, run_id: str = "demo", shift: float = 0.0) -> None:
+    store.upsert_run(run_id, "tiny-cpu", config={"seed": 0})
+    for step in range(5):
+        store.log_metrics(run_id, "sft", step + 1, {"loss": 3.0 - 0.5 * step})
+        store.log_metrics(run_id, "rl", step, {"reward/mean": 0.2 + 0.1 * step + shift,
+                                               "tool_calls/mean": 1.0 + 0.1 * step,
+                                               "strategy/kept_groups": 4})
+    for model, acc in ACC.items():
+        for bench in ("synth-image", "synth-video"):
+            for i in range(4):
+                store.add_eval_record(EvalRecord(
+                    run_id=run_id, model=model, benchmark=bench, sample_id=str(i),
+                    benchmark_version="1", prompt_version="image@v1", prompt_hash="h",
+                    scorer="verify@1", prediction="x", stop_reason="answered" if i else "max_turns",
+                    turns=2, tool_calls=1, failed_calls=0, visual_tokens=64 if bench == "synth-image" else 16,
+                    total_tokens=500, duration_s=0.1, trajectory=None, scores={"accuracy": float(i < 2)}))
+            store.set_eval_aggregate(run_id, model, bench, {"accuracy": acc + shift, "color": acc},
+                                     n=4, benchmark_version="1", prompt_version="image@v1",
+                                     scorer="verify@1")
+
+
+def test_results_table_orders_base_sft_rl():
+    store = Store()
+    fill_store(store)
+    header, rows = results_table(collect(store))
+    assert header == ["run", "model", "synth-image (accuracy)", "synth-video (accuracy)"]
+    assert [r[1] for r in rows] == ["base", "sft", "rl"]
+    assert rows[2][2] == "55.0"
+
+
+def test_json_format_through_cli():
+    store = Store()
+    fill_store(store, "a")
+    fill_store(store, "b", shift=0.05)
+    result = CliRunner().invoke(app, ["--format", "json", "--run", "b"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert [r["run_id"] for r in data["runs"]] == ["b"]
+    rl = [r for r in data["results"] if r["model"] == "rl" and r["metric"] == "accuracy"]
+    assert {r["benchmark"] for r in rl} == {"synth-image", "synth-video"}
+    assert rl[0]["value"] == pytest.approx(0.60)
+    assert set(data["results"][0]) == {"run", "model", "benchmark", "metric", "value"}
+
+
+def test_unknown_run_and_empty_store(tmp_path):
+    store = Store()
+    fill_store(store)
+    bad = CliRunner().invoke(app, ["--format", "json", "--run", "nope"])
+    assert bad.exit_code == 2 and "run 'nope' is not in the store" in bad.output
+    empty = CliRunner().invoke(app, ["--format", "json", "--store", str(tmp_path / "none.duckdb")])
+    assert empty.exit_code == 2 and "store not found" in empty.output
+
+
+def test_markdown_and_html_files(tmp_path):
+    store = Store()
+    fill_store(store)
+    written = write_report(store, None, ["markdown", "html", "json"], tmp_path / "rep")
+    md = Path(written["markdown"]).read_text()
+    assert "| demo | rl | 55.0 | 55.0 |" in md and "training_curves.png" in md
+    assert Path(written["png:training_curves"]).stat().st_size > 1000
+    html = Path(written["html"]).read_text()
+    assert html.count("data:image/png;base64,") == 2 and "<table class=\"results\">" in html
+
+
+def _chromium() -> str | None:
+    return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.mark.skipif(_chromium() is None, reason="chromium missing: CI installs it")
+def test_html_renders_in_headless_chromium(tmp_path):
+    store = Store()
+    fill_store(store)
+    written = write_report(store, None, ["html"], tmp_path / "rep")
+    page = Path(written["html"])
+    # A wrapper page loads the report in an iframe and records what the browser rendered.
+    probe = tmp_path / "probe.html"
+    probe.write_text(f"""<!doctype html><html><body><iframe id="r" src="{page.as_uri()}"></iframe>
+<script>document.getElementById('r').onload = () => {{
+  const d = document.getElementById('r').contentDocument;
+  const imgs = [...d.images];
+  const out = document.createElement('pre'); out.id = 'result';
+  out.textContent = JSON.stringify({{
+    rows: d.querySelectorAll('table.results tbody tr').length,
+    cells: [...d.querySelectorAll('table.results tbody tr:last-child td')].map(c => c.textContent),
+    images: imgs.length, loaded: imgs.filter(i => i.complete && i.naturalWidth > 100).length}});
+  document.body.appendChild(out);
+}};</script></body></html>""")
+    proc = subprocess.run(
+        [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+         "--disable-component-update", "--disable-sync", "--no-first-run",
+         f"--user-data-dir={tmp_path / 'chrome'}", "--allow-file-access-from-files",
+         "--virtual-time-budget=5000", "--dump-dom", probe.as_uri()],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    dom = proc.stdout
+    start = dom.index('<pre id="result">') + len('<pre id="result">')
+    result = json.loads(dom[start:dom.index("</pre>", start)].replace("&quot;", '"'))
+    assert result["rows"] == 3 and result["cells"][:2] == ["demo", "rl"]
+    assert result["images"] == 2 and result["loaded"] == 2
