@@ -1,0 +1,202 @@
+"""The one agent loop, shared by RL rollouts and evaluation.
+
+``run_episodes`` keeps up to ``batch_size`` episodes active. Each iteration asks the policy for
+the next turn of every active episode in one call (a batched forward for in-process models,
+concurrent requests for servers), runs the code of those that wrote code in their own sandboxes
+concurrently, appends the interpreter turns, and retires finished episodes, refilling their slots
+from the queue (continuous batching). Finished trajectories are yielded as soon as they finish,
+so evaluation can store each one immediately and resume after an interruption.
+
+The loop is deterministic for a deterministic policy: the next generation call starts only after
+every sandbox call of the iteration has returned, so scheduling never depends on timing.
+
+Stop reasons: ``answered``, ``max_turns``, ``context_overflow`` (the context reached the token
+limit), ``image_limit`` (showing more images would exceed ``max_images``),
+``no_code_nor_answer``, ``tool_error`` (a failed call with ``on_error: terminate``).
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Literal
+
+from pipelines.agent.policies.base import Policy, Sampling
+from pipelines.agent.prompts import build_initial_messages, resize_for_context, variant_for
+from pipelines.agent.protocol import format_observation, parse_turn
+from pipelines.agent.trajectory import ToolResult, Trajectory, Turn
+from pipelines.config.agent import AgentConfig
+from pipelines.config.sandbox import SandboxConfig
+from pipelines.data.records import Task
+
+
+@dataclass
+class Episode:
+    item: int
+    sample: int
+    task: Task
+    traj: Trajectory
+    handle: Any
+    runtime_media: dict[str, dict[str, Path]]
+    sandbox: Any = None
+    images_in_context: int = 0
+    start: float = field(default_factory=time.monotonic)
+    pending_code: str | None = None
+
+
+def _pil(png: bytes) -> Any:
+    from PIL import Image
+
+    img = Image.open(io.BytesIO(png))
+    img.load()
+    return img.convert("RGB")
+
+
+def run_episodes(items: Iterable[tuple[Task, Path]], policy: Policy, agent_cfg: AgentConfig,
+                 sandbox_cfg: SandboxConfig | None = None, *,
+                 mode: Literal["train", "eval"] = "eval", batch_size: int = 8,
+                 n_per_item: int = 1, variant: str | None = None,
+                 sampling: Sampling | None = None) -> Iterator[Trajectory]:
+    """Run every (task, media root) ``n_per_item`` times; yield trajectories as they finish."""
+    from pipelines.agent.sandbox import Sandbox
+
+    sandbox_cfg = sandbox_cfg or SandboxConfig()
+    max_turns = agent_cfg.max_turns_train if mode == "train" else agent_cfg.max_turns_eval
+    if sampling is None:
+        temperature = agent_cfg.temperature if mode == "train" else agent_cfg.eval_temperature
+        sampling = Sampling(agent_cfg.max_new_tokens_per_turn, temperature, agent_cfg.top_p)
+    queue: deque[tuple[int, int, Task, Path]] = deque(
+        (i, s, task, Path(root)) for i, (task, root) in enumerate(items) for s in range(n_per_item))
+    active: list[Episode] = []
+    done: list[Trajectory] = []
+    pool = ThreadPoolExecutor(max_workers=max(1, batch_size), thread_name_prefix="sandbox")
+
+    def finish(ep: Episode, reason: str) -> None:
+        t = ep.traj
+        t.stop_reason = reason  # type: ignore[assignment]
+        counts = policy.token_counts(ep.handle)
+        t.prompt_tokens, t.generated_tokens = counts["prompt"], counts["generated"]
+        t.observation_tokens, t.visual_tokens = counts["observation"], counts["visual"]
+        t.trace = policy.trace(ep.handle)
+        t.total_s = time.monotonic() - ep.start
+        policy.end(ep.handle)
+        if ep.sandbox is not None:
+            ep.sandbox.close()
+        done.append(t)
+
+    def start(item: int, sample: int, task: Task, root: Path) -> Episode:
+        v = variant_for(task, agent_cfg, variant)
+        messages, info, runtime = build_initial_messages(task, root, v, agent_cfg)
+        traj = Trajectory(task_id=task.id, data_source=task.data_source, variant=v,
+                          prompt_version=info.version, prompt_hash=info.sha256, mode=mode,
+                          sample_index=sample, group_index=item)
+        prompt_parts = []
+        for p in messages[0]["content"]:
+            if p.get("type") == "image":
+                traj.images.append(p["image"])
+                prompt_parts.append({"type": "image", "index": len(traj.images) - 1})
+            else:
+                prompt_parts.append(dict(p))
+        traj.prompt = prompt_parts
+        handle = policy.begin(messages)
+        return Episode(item, sample, task, traj, handle, runtime,
+                       images_in_context=len(traj.images))
+
+    def run_code(ep: Episode) -> Any:
+        if ep.sandbox is None:
+            ep.sandbox = Sandbox(sandbox_cfg, images=ep.runtime_media["images"],
+                                 videos=ep.runtime_media["videos"])
+        return ep.sandbox.run(ep.pending_code or "")
+
+    try:
+        while queue or active:
+            while queue and len(active) < batch_size:
+                ep = start(*queue.popleft())
+                if policy.context_tokens(ep.handle) >= agent_cfg.max_context_tokens:
+                    finish(ep, "context_overflow")
+                else:
+                    active.append(ep)
+            yield from _drain(done)
+            if not active:
+                continue
+            room = min(agent_cfg.max_context_tokens - policy.context_tokens(e.handle) for e in active)
+            step = Sampling(max(1, min(sampling.max_new_tokens, room)), sampling.temperature,
+                            sampling.top_p)
+            t0 = time.monotonic()
+            gens = policy.generate([e.handle for e in active], step)
+            gen_s = time.monotonic() - t0
+            coding: list[Episode] = []
+            still: list[Episode] = []
+            for ep, gen in zip(active, gens):
+                ep.traj.generation_s += gen_s / len(active)
+                parsed = parse_turn(gen.text)
+                turn = Turn(assistant=gen.text, finish=gen.finish)
+                ep.traj.turns.append(turn)
+                if parsed.kind == "answer":
+                    ep.traj.final_answer, ep.traj.raw_answer = parsed.answer, parsed.raw_answer
+                    finish(ep, "answered")
+                elif parsed.kind == "code":
+                    turn.code = parsed.code
+                    ep.pending_code = parsed.code
+                    coding.append(ep)
+                elif policy.context_tokens(ep.handle) >= agent_cfg.max_context_tokens:
+                    finish(ep, "context_overflow")
+                else:
+                    finish(ep, "no_code_nor_answer")
+            results = list(pool.map(run_code, coding))
+            for ep, res in zip(coding, results):
+                t = ep.traj
+                turn = t.turns[-1]
+                t.tool_calls += 1
+                t.tool_s += res.duration_s
+                ok = res.status == "ok"
+                t.successful_calls += int(ok)
+                t.failed_calls += int(not ok)
+                turn.result = ToolResult(res.status, res.stdout, res.stderr, res.duration_s,
+                                         len(res.images), res.truncated)
+                ep.pending_code = None
+                if not ok and agent_cfg.on_error == "terminate":
+                    finish(ep, "tool_error")
+                    continue
+                if ep.images_in_context + len(res.images) > agent_cfg.max_images:
+                    finish(ep, "image_limit")
+                    continue
+                images = [resize_for_context(_pil(b), agent_cfg.image_min_pixels,
+                                             agent_cfg.image_max_pixels) for b in res.images]
+                parts = format_observation(res.status, res.stdout, res.stderr, len(images),
+                                           ep.images_in_context + 1, agent_cfg.on_error)
+                stored, k = [], 0
+                for p in parts:
+                    if p.get("type") == "image":
+                        t.images.append(images[k])
+                        turn.image_indices.append(len(t.images) - 1)
+                        stored.append({"type": "image", "index": len(t.images) - 1})
+                        k += 1
+                    else:
+                        stored.append(p)
+                turn.observation = stored
+                policy.observe(ep.handle, parts, images)
+                ep.images_in_context += len(images)
+                if policy.context_tokens(ep.handle) >= agent_cfg.max_context_tokens:
+                    finish(ep, "context_overflow")
+                elif len(t.turns) >= max_turns:
+                    finish(ep, "max_turns")
+                else:
+                    still.append(ep)
+            active = still
+            yield from _drain(done)
+    finally:
+        for ep in active:
+            policy.end(ep.handle)
+            if ep.sandbox is not None:
+                ep.sandbox.close()
+        pool.shutdown(wait=False)
+
+
+def _drain(done: list[Trajectory]) -> Iterator[Trajectory]:
+    while done:
+        yield done.pop(0)

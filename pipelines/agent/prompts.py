@@ -1,0 +1,136 @@
+"""Prompt templates: versioned files, the single source of every trajectory's first turn.
+
+Variants (``prompts/<variant>.v<N>.txt``):
+
+- ``image``: the image is in the model's context (``<image_clue_0>`` tags around it, as in the
+  released PyVision SFT data) and in the runtime as ``image_clue_0``; the prompt states its size.
+- ``image_noinit``: the image exists only in the runtime; the model must show it to itself.
+- ``video``: on-demand context construction: no frames in the context; the runtime holds
+  ``video_clue_0`` (a decord VideoReader); the prompt gives frame size, frame count and fps.
+- ``video_frames``: the uniform-sampling baseline: frames in the context, the video in the runtime.
+
+A template's version and the sha256 of its text are recorded with every trajectory and score.
+Changing a template means adding ``<variant>.v<N+1>.txt`` and a CHANGELOG line, never editing a
+released version in place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from pipelines.agent.protocol import merge_text_parts
+from pipelines.config.agent import AgentConfig
+from pipelines.data.records import Task
+from pipelines.errors import DataError
+
+PROMPTS_DIR = Path(__file__).with_name("prompts")
+CURRENT = {"image": 1, "image_noinit": 1, "video": 1, "video_frames": 1}
+
+
+@dataclass(frozen=True)
+class PromptInfo:
+    variant: str
+    version: str  # "image@v1"
+    sha256: str
+
+
+@lru_cache(maxsize=None)
+def load_template(variant: str, version: int | None = None) -> tuple[str, PromptInfo]:
+    v = version or CURRENT[variant]
+    path = PROMPTS_DIR / f"{variant}.v{v}.txt"
+    text = path.read_text(encoding="utf-8")
+    return text, PromptInfo(variant, f"{variant}@v{v}", hashlib.sha256(text.encode()).hexdigest())
+
+
+def variant_for(task: Task, agent_cfg: AgentConfig, override: str | None = None) -> str:
+    if override:
+        return override
+    if task.video:
+        return "video" if agent_cfg.video_context == "on_demand" else "video_frames"
+    return "image" if task.images else "image_noinit"
+
+
+def resize_for_context(image: Any, min_pixels: int, max_pixels: int) -> Any:
+    """Resize as Qwen2.5-VL's processor would (sides multiples of 28 within the pixel budget)."""
+    from qwen_vl_utils import smart_resize
+
+    h, w = smart_resize(image.height, image.width, factor=28, min_pixels=min_pixels,
+                        max_pixels=max_pixels)
+    return image if (w, h) == image.size else image.resize((w, h))
+
+
+def video_info(path: Path) -> dict[str, Any]:
+    try:
+        import decord
+
+        reader = decord.VideoReader(str(path))
+        height, width = reader[0].shape[:2]
+        return {"frames": len(reader), "fps": float(reader.get_avg_fps()), "width": int(width),
+                "height": int(height), "reader": reader}
+    except Exception as exc:  # noqa: BLE001 - any decoder failure means an unusable video
+        raise DataError(f"video cannot be decoded: {path} ({exc})",
+                        hint="re-encode it (e.g. H.264 mp4) or drop the task") from None
+
+
+def build_initial_messages(task: Task, media_root: Path, variant: str, agent_cfg: AgentConfig
+                           ) -> tuple[list[dict], PromptInfo, dict[str, Any]]:
+    """The first user turn for ``task`` (content parts; images as PIL), its prompt info, and the
+    media the sandbox must hold (``{"images": {name: path}, "videos": {name: path}}``)."""
+    from PIL import Image, UnidentifiedImageError
+
+    template, info = load_template(variant)
+    runtime: dict[str, dict[str, Path]] = {"images": {}, "videos": {}}
+    context_images: list[Any] = []
+    media_lines: list[str] = []
+    if variant in ("image", "image_noinit"):
+        for i, path in enumerate(task.image_paths(media_root)):
+            try:
+                with Image.open(path) as img:
+                    img.load()
+                    full = img.convert("RGB")
+            except (FileNotFoundError, UnidentifiedImageError, OSError) as exc:
+                raise DataError(f"task {task.id}: image {path} cannot be read ({exc})",
+                                hint="fix the media path or drop the task") from None
+            runtime["images"][f"image_clue_{i}"] = path
+            media_lines.append(f"Image Width: {full.width}; Image Height: {full.height}"
+                               if len(task.images) == 1 else
+                               f"image_clue_{i}: Image Width: {full.width}; Image Height: {full.height}")
+            if variant == "image":
+                context_images.append(resize_for_context(full, agent_cfg.image_min_pixels,
+                                                         agent_cfg.image_max_pixels))
+    else:
+        vpath = task.video_path(media_root)
+        if vpath is None or not vpath.is_file():
+            raise DataError(f"task {task.id}: video {vpath} not found",
+                            hint="fix the media path or drop the task")
+        meta = video_info(vpath)
+        runtime["videos"]["video_clue_0"] = vpath
+        media_lines.append(f"Frame Width: {meta['width']}; Frame Height: {meta['height']}; "
+                           f"Frame Count: {meta['frames']}; FPS: {meta['fps']:.2f}")
+        if variant == "video_frames":
+            import numpy as np
+
+            n = min(agent_cfg.uniform_frames, meta["frames"])
+            idx = np.linspace(0, meta["frames"] - 1, n).round().astype(int).tolist()
+            frames = meta["reader"].get_batch(idx).asnumpy()
+            context_images = [resize_for_context(Image.fromarray(f), agent_cfg.image_min_pixels,
+                                                 agent_cfg.image_max_pixels) for f in frames]
+    text = template.replace("{media_info}", "\n".join(media_lines)).replace(
+        "{question}", task.question.strip())
+    parts: list[dict] = []
+    if "{images}" in text:
+        before, after = text.split("{images}", 1)
+        parts.append({"type": "text", "text": before})
+        for i, img in enumerate(context_images):
+            parts.append({"type": "text", "text": f"<image_clue_{i}>"})
+            parts.append({"type": "image", "image": img})
+            parts.append({"type": "text", "text": f"</image_clue_{i}>"})
+        parts.append({"type": "text", "text": after})
+    else:
+        parts.append({"type": "text", "text": text})
+    parts = [p for p in merge_text_parts(parts) if p.get("type") != "text" or p["text"]]
+    return [{"role": "user", "content": parts}], info, runtime

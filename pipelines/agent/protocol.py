@@ -1,0 +1,148 @@
+"""The PyVision interaction protocol: what the model writes and what the environment answers.
+
+Model turn::
+
+    reasoning ...
+    <code>
+    ```python
+    ...
+    ```
+    </code>
+
+Generation stops at ``</code>`` (kept). The environment runs the code and answers with a user turn::
+
+    <interpreter>
+    Text Result:
+    ...printed output...
+    Image Result:
+    Figure 2: <image>
+    </interpreter>
+
+The episode ends at ``<answer>\\n\\boxed{...}\\n</answer>``. An answer in a turn ends the episode
+even when the turn also has code. Parsing is tolerant of what small or sampled models produce:
+missing newlines, nested braces in ``\\boxed{}``, several answers (the last one wins), an
+unclosed final ``<answer>`` cut off by the length limit.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+CODE_STOP = "</code>"
+_CODE_BLOCK_RE = re.compile(r"<code>\s*```(?:python|py)?[ \t]*\n?(.*?)```\s*</code>", re.S)
+_FENCED_RE = re.compile(r"```(?:python|py)[ \t]*\n(.*?)```", re.S)
+_ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.S)
+_BOXED_RE = re.compile(r"\\boxed\s*\{")
+
+
+@dataclass(frozen=True)
+class ParsedTurn:
+    """What one model turn asks for."""
+
+    kind: Literal["answer", "code", "none"]
+    answer: str | None = None
+    raw_answer: str | None = None
+    code: str | None = None
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}``, braces balanced (``\\boxed{\\frac{1}{2}}`` works)."""
+    starts = [m.end() for m in _BOXED_RE.finditer(text)]
+    for start in reversed(starts):
+        depth = 1
+        for i in range(start, len(text)):
+            if text[i] == "{":
+                depth += 1
+            elif text[i] == "}":
+                depth -= 1
+                if depth == 0:
+                    return text[start:i].strip()
+        # Unbalanced (cut off): try an earlier one.
+    return None
+
+
+def extract_answer(text: str) -> tuple[str | None, str | None]:
+    """(answer, raw text inside the answer tag) of the last answer in ``text``, or (None, None)."""
+    matches = _ANSWER_RE.findall(text)
+    raw = matches[-1] if matches else None
+    if raw is None:
+        tail = text.rfind("<answer>")
+        if tail < 0:
+            return None, None
+        raw = text[tail + len("<answer>"):]  # cut off before </answer>
+        boxed = last_boxed(raw)
+        return (boxed, raw) if boxed is not None else (None, None)
+    boxed = last_boxed(raw)
+    answer = boxed if boxed is not None else raw.strip()
+    return (answer if answer else None), raw
+
+
+def extract_code(text: str) -> str | None:
+    """The last ``<code>```python ...```</code>`` block, else the last ```python fenced block."""
+    blocks = _CODE_BLOCK_RE.findall(text)
+    if not blocks:
+        blocks = _FENCED_RE.findall(text)
+    if not blocks:
+        return None
+    code = blocks[-1].strip("\n")
+    return code if code.strip() else None
+
+
+def truncate_at_code_stop(text: str) -> str:
+    """Drop anything generated after the first ``</code>`` that closes a code block."""
+    i = text.find(CODE_STOP)
+    return text if i < 0 else text[: i + len(CODE_STOP)]
+
+
+def parse_turn(text: str) -> ParsedTurn:
+    answer, raw = extract_answer(text)
+    if answer is not None:
+        return ParsedTurn("answer", answer=answer, raw_answer=raw)
+    code = extract_code(text)
+    if code is not None:
+        return ParsedTurn("code", code=code)
+    return ParsedTurn("none")
+
+
+def format_observation(status: str, stdout: str, stderr: str, n_images: int,
+                       first_figure: int, on_error: str) -> list[dict]:
+    """The interpreter turn as chat content parts (text, and one image part per figure).
+
+    Errors go back to the model (``on_error: feedback``) as ``Error (<status>):`` plus the
+    traceback, so it can fix its code.
+    """
+    text = "<interpreter>\nText Result:\n"
+    body = stdout.rstrip("\n")
+    if status != "ok" and on_error == "feedback":
+        body = (body + "\n" if body else "") + f"Error ({status}):\n{stderr.rstrip()}"
+    text += (body if body else "None") + "\n"
+    parts: list[dict] = []
+    if n_images:
+        text += "Image Result:\n"
+        parts.append({"type": "text", "text": text})
+        for k in range(n_images):
+            parts.append({"type": "text", "text": f"Figure {first_figure + k}: "})
+            parts.append({"type": "image"})
+            parts.append({"type": "text", "text": "\n"})
+        parts.append({"type": "text", "text": "</interpreter>"})
+    else:
+        parts.append({"type": "text", "text": text + "</interpreter>"})
+    return merge_text_parts(parts)
+
+
+def merge_text_parts(parts: list[dict]) -> list[dict]:
+    """Join adjacent text parts (fewer, larger strings; identical rendering)."""
+    out: list[dict] = []
+    for p in parts:
+        if p.get("type") == "text" and out and out[-1].get("type") == "text":
+            out[-1] = {"type": "text", "text": out[-1]["text"] + p["text"]}
+        else:
+            out.append(dict(p))
+    return out
+
+
+def parts_to_text(parts: list[dict], image_token: str = "<image>") -> str:
+    """Content parts as one string with one placeholder per image (LLaMA-Factory style)."""
+    return "".join(p["text"] if p.get("type") == "text" else image_token for p in parts)

@@ -1,0 +1,142 @@
+"""A trajectory: everything one episode did, serialisable, plus the token trace RL trains on."""
+
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from pipelines.data.records import Conversation, Message
+
+SCHEMA_VERSION = 1
+StopReason = Literal["answered", "max_turns", "context_overflow", "image_limit",
+                     "no_code_nor_answer", "tool_error"]
+
+
+@dataclass
+class ToolResult:
+    status: str
+    stdout: str
+    stderr: str
+    duration_s: float
+    n_images: int
+    truncated: bool
+
+
+@dataclass
+class Turn:
+    assistant: str                       # the model's text for this turn
+    code: str | None = None              # the code it asked to run
+    result: ToolResult | None = None     # what the sandbox returned
+    observation: list[dict] | None = None  # the interpreter turn's content parts (no pixels)
+    image_indices: list[int] = field(default_factory=list)  # into Trajectory.images
+    finish: str = ""                     # why generation stopped: code | eos | length
+
+
+@dataclass
+class TokenTrace:
+    """What the policy saw and produced, token for token (in-process policies only)."""
+
+    input_ids: list[int]
+    prompt_len: int
+    response_mask: list[int]   # over input_ids[prompt_len:]; 1 exactly on model tokens
+    logprobs: list[float]      # one per model token (sampling-time log-probs)
+    images: list[Any]          # PIL images in context order, as resized for the model
+
+
+@dataclass
+class Trajectory:
+    task_id: str
+    data_source: str
+    variant: str
+    prompt_version: str
+    prompt_hash: str
+    mode: str
+    prompt: list[dict] = field(default_factory=list)  # first user turn; images as {"type": "image", "index": i}
+    turns: list[Turn] = field(default_factory=list)
+    final_answer: str | None = None
+    raw_answer: str | None = None
+    stop_reason: StopReason | None = None
+    tool_calls: int = 0
+    successful_calls: int = 0
+    failed_calls: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    observation_tokens: int = 0
+    visual_tokens: int = 0
+    generation_s: float = 0.0
+    tool_s: float = 0.0
+    total_s: float = 0.0
+    sample_index: int = 0                 # rollout number within its group
+    group_index: int = 0                  # position of the task in the request
+    images: list[Any] = field(default_factory=list, repr=False)  # PIL: prompt images, then figures
+    trace: TokenTrace | None = field(default=None, repr=False)
+
+    @property
+    def num_turns(self) -> int:
+        return len(self.turns)
+
+    @property
+    def produced_image(self) -> bool:
+        return any(t.image_indices for t in self.turns)
+
+    @property
+    def answer_chars(self) -> int:
+        return len(self.raw_answer or "")
+
+    def to_json(self) -> dict[str, Any]:
+        """Everything but pixels and the token trace, with a schema version."""
+        data = asdict(self)
+        data.pop("images")
+        data.pop("trace")
+        data["schema_version"] = SCHEMA_VERSION
+        data["num_turns"] = self.num_turns
+        return data
+
+    def save(self, directory: str | Path) -> Path:
+        """Write ``trajectory.json`` and the images as ``image_<i>.png`` into ``directory``."""
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        data = self.to_json()
+        data["image_files"] = []
+        for i, img in enumerate(self.images):
+            name = f"image_{i}.png"
+            img.save(out / name)
+            data["image_files"].append(name)
+        (out / "trajectory.json").write_text(json.dumps(data, indent=2, default=str) + "\n")
+        return out / "trajectory.json"
+
+    def to_conversation(self, conv_id: str, media_dir: Path, rel_prefix: str = "") -> Conversation:
+        """The trajectory as an SFT conversation; images are written to ``media_dir`` as PNG.
+
+        ``rel_prefix`` is how the conversation file refers to ``media_dir`` (e.g. ``media/``).
+        """
+        media_dir.mkdir(parents=True, exist_ok=True)
+        paths: list[str] = []
+
+        def text_of(parts: list[dict]) -> str:
+            out = []
+            for p in parts:
+                if p.get("type") == "text":
+                    out.append(p["text"])
+                else:
+                    idx = p["index"]
+                    name = f"{conv_id}_{idx}.png"
+                    buf = io.BytesIO()
+                    self.images[idx].save(buf, format="PNG")
+                    (media_dir / name).write_bytes(buf.getvalue())
+                    paths.append(rel_prefix + name)
+                    out.append("<image>")
+            return "".join(out)
+
+        messages = [Message(role="user", content=text_of(self.prompt))]
+        for turn in self.turns:
+            messages.append(Message(role="assistant", content=turn.assistant))
+            if turn.observation is not None:
+                messages.append(Message(role="user", content=text_of(turn.observation)))
+        return Conversation(id=conv_id, data_source=self.data_source, messages=messages,
+                            images=paths, metadata={"task_id": self.task_id,
+                                                    "prompt_version": self.prompt_version,
+                                                    "stop_reason": self.stop_reason})

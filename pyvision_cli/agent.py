@@ -1,0 +1,79 @@
+"""`pyvision agent run`: one trajectory, shown turn by turn."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from pyvision_cli.common import ConfigOpt, JsonOpt, SetOpt, command, err, load_recipe, make_app, print_json
+
+app = make_app("Run one agent trajectory and show it turn by turn.", group=True)
+
+
+@command(app, "run")
+def run(
+    model: Annotated[str, typer.Option(help="Local model folder, or http(s) URL of an OpenAI-compatible server.")],
+    question: Annotated[str, typer.Option(help="The question to answer.")],
+    image: Annotated[Optional[list[Path]], typer.Option(help="Input image(s): image_clue_0, ...")] = None,
+    video: Annotated[Optional[Path], typer.Option(help="Input video: video_clue_0 (on-demand context).")] = None,
+    served_model: Annotated[str, typer.Option(help="Model name sent to a server URL.")] = "default",
+    max_turns: Annotated[Optional[int], typer.Option(help="Most assistant turns [default: agent.max_turns_eval].", min=1)] = None,
+    temperature: Annotated[Optional[float], typer.Option(help="Sampling temperature [default: agent.eval_temperature].", min=0.0)] = None,
+    out_dir: Annotated[Optional[Path], typer.Option(help="Folder for the trajectory and its images [default: a temp dir].")] = None,
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Missing or corrupt media are reported before any generation (exit 2)."""
+    import tempfile
+
+    from rich.panel import Panel
+    from rich.syntax import Syntax
+
+    from pipelines.agent.loop import run_episodes
+    from pipelines.agent.policies import make_policy
+    from pipelines.data.records import Task
+    from pipelines.errors import UserError
+
+    if bool(image) == bool(video):
+        raise UserError("pass either --image (one or more) or --video", hint="e.g. --image photo.jpg")
+    overrides = list(set_ or [])
+    if max_turns is not None:
+        overrides.append(f"agent.max_turns_eval={max_turns}")
+    if temperature is not None:
+        overrides.append(f"agent.eval_temperature={temperature}")
+    recipe = load_recipe(config, overrides)
+    task = Task(id="cli", data_source="cli", question=question,
+                images=[str(p.resolve()) for p in image or []],
+                video=str(video.resolve()) if video else None, answer="?", answer_type="text")
+    from pipelines.agent.prompts import build_initial_messages, variant_for
+
+    build_initial_messages(task, Path("/"), variant_for(task, recipe.agent), recipe.agent)  # validates media
+    if not model.startswith(("http://", "https://")) and not Path(model).exists():
+        raise UserError(f"model not found: {model}", hint="pass a local model folder or a server URL")
+    policy = make_policy(model, served_model=served_model, agent_cfg=recipe.agent,
+                         device=recipe.model.device, dtype=recipe.model.dtype)
+    (traj,) = list(run_episodes([(task, Path("/"))], policy, recipe.agent, recipe.sandbox,
+                                mode="eval", batch_size=1))
+    out = out_dir or Path(tempfile.mkdtemp(prefix="pyvision-agent-"))
+    path = traj.save(out)
+    if json_out:
+        print_json(traj.to_json() | {"trajectory_file": str(path)})
+        return
+    for i, turn in enumerate(traj.turns, start=1):
+        err.print(Panel(turn.assistant or "(empty)", title=f"assistant turn {i}", border_style="cyan"))
+        if turn.code:
+            err.print(Syntax(turn.code, "python", theme="ansi_dark", line_numbers=True))
+        if turn.result is not None:
+            body = turn.result.stdout or ""
+            if turn.result.status != "ok":
+                body += f"\n[{turn.result.status}] {turn.result.stderr}"
+            images = ", ".join(str(out / f"image_{k}.png") for k in turn.image_indices)
+            err.print(Panel(body.strip() + (f"\nimages: {images}" if images else ""),
+                            title=f"interpreter ({turn.result.status}, {turn.result.duration_s:.2f} s)",
+                            border_style="green" if turn.result.status == "ok" else "red"))
+    err.print(f"[bold]answer:[/] {traj.final_answer!r}  stop: {traj.stop_reason}  turns: "
+              f"{traj.num_turns}  tool calls: {traj.tool_calls}  visual tokens: {traj.visual_tokens}")
+    err.print(f"saved to {path}")

@@ -1,0 +1,69 @@
+"""The PyVision protocol parser: code blocks, answers, interpreter turns."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipelines.agent.protocol import (extract_answer, extract_code, format_observation, last_boxed,
+                                      parse_turn, parts_to_text, truncate_at_code_stop)
+
+
+@pytest.mark.parametrize("text,answer", [
+    ("<answer>\n\\boxed{B}\n</answer>", "B"),
+    ("<answer>\\boxed{B}</answer>", "B"),  # missing newlines
+    ("<answer>\n\\boxed{\\frac{1}{2}}\n</answer>", "\\frac{1}{2}"),  # nested braces
+    ("<answer>\\boxed{a}</answer> then <answer>\\boxed{b}</answer>", "b"),  # last wins
+    ("<answer> red </answer>", "red"),  # no \boxed: the tag's content
+    ("thinking... <answer>\n\\boxed{42}", "42"),  # cut off before </answer>
+    ("<answer>\\boxed{x^{2}+\\sqrt{y}}</answer>", "x^{2}+\\sqrt{y}"),
+])
+def test_extract_answer(text, answer):
+    assert extract_answer(text)[0] == answer
+
+
+@pytest.mark.parametrize("text", ["no answer here", "<answer></answer>", "<answer>\\boxed{unclosed",
+                                  "\\boxed{5} outside tags"])
+def test_no_answer(text):
+    assert extract_answer(text)[0] is None
+
+
+def test_raw_answer_kept():
+    assert extract_answer("<answer>\nsee \\boxed{3}\n</answer>") == ("3", "\nsee \\boxed{3}\n")
+
+
+def test_last_boxed_balanced():
+    assert last_boxed("\\boxed{1} and \\boxed{{a}{b}}") == "{a}{b}"
+    assert last_boxed("\\boxed{ok} \\boxed{broken") == "ok"
+
+
+def test_extract_code_prefers_tagged_block_and_takes_last():
+    text = ("```python\nignored = 1\n```\n<code>\n```python\na = 1\n```\n</code>\n"
+            "<code>\n```python\nb = 2\nprint(b)\n```\n</code>")
+    assert extract_code(text) == "b = 2\nprint(b)"
+    assert extract_code("text\n```python\nx = 3\n```\nmore") == "x = 3"
+    assert extract_code("<code>```python\ny=4```</code>") == "y=4"
+    assert extract_code("no code") is None
+    assert extract_code("<code>\n```python\n\n```\n</code>") is None
+
+
+def test_answer_beats_code_in_same_turn():
+    turn = parse_turn("<code>\n```python\nprint(1)\n```\n</code>\n<answer>\\boxed{7}</answer>")
+    assert turn.kind == "answer" and turn.answer == "7"
+    assert parse_turn("hmm").kind == "none"
+    assert parse_turn("<code>\n```python\nprint(1)\n```\n</code>").kind == "code"
+
+
+def test_truncate_at_code_stop():
+    assert truncate_at_code_stop("a</code>\nextra") == "a</code>"
+    assert truncate_at_code_stop("no stop") == "no stop"
+
+
+def test_observation_text_and_images():
+    parts = format_observation("ok", "12\n", "", 2, 2, "feedback")
+    assert parts_to_text(parts) == ("<interpreter>\nText Result:\n12\nImage Result:\n"
+                                    "Figure 2: <image>\nFigure 3: <image>\n</interpreter>")
+    err = format_observation("error", "", "Traceback ...\nZeroDivisionError", 0, 1, "feedback")
+    assert parts_to_text(err) == ("<interpreter>\nText Result:\nError (error):\nTraceback ...\n"
+                                  "ZeroDivisionError\n</interpreter>")
+    assert parts_to_text(format_observation("ok", "", "", 0, 1, "feedback")) == \
+        "<interpreter>\nText Result:\nNone\n</interpreter>"
