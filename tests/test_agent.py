@@ -241,3 +241,15 @@ def test_agent_run_cli(tiny_model_dir, image_task, tmp_path):
     missing = CliRunner().invoke(app, ["run", "--model", str(tiny_model_dir), "--image",
                                        str(tmp_path / "nope.png"), "--question", "q"])
     assert missing.exit_code == 2 and "nope.png" in missing.output
+
+
+@pytest.mark.parametrize("h,w", [(200, 300), (1, 5000), (4000, 3000), (28, 28), (37, 1111)])
+def test_smart_resize_matches_qwen_vl_utils(h, w):
+    from qwen_vl_utils import smart_resize as reference
+
+    from pipelines.agent.prompts import smart_resize
+
+    for lo, hi in ((3136, 50176), (3136, 2_000_000)):
+        if max(h, w) / min(h, w) > 200:
+            continue
+        assert smart_resize(h, w, 28, lo, hi) == reference(h, w, factor=28, min_pixels=lo, max_pixels=hi)

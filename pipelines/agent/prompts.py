@@ -54,10 +54,30 @@ def variant_for(task: Task, agent_cfg: AgentConfig, override: str | None = None)
     return "image" if task.images else "image_noinit"
 
 
+def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = 3136,
+                 max_pixels: int = 2_000_000) -> tuple[int, int]:
+    """Qwen2-VL's resize rule: sides rounded to multiples of ``factor``, area within bounds.
+
+    The same arithmetic as ``qwen_vl_utils.smart_resize`` (checked by a test), without importing
+    that package, which pulls in torchvision (seconds of start-up).
+    """
+    import math
+
+    h_bar = max(factor, round(height / factor) * factor)
+    w_bar = max(factor, round(width / factor) * factor)
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
 def resize_for_context(image: Any, min_pixels: int, max_pixels: int) -> Any:
     """Resize as Qwen2.5-VL's processor would (sides multiples of 28 within the pixel budget)."""
-    from qwen_vl_utils import smart_resize
-
     h, w = smart_resize(image.height, image.width, factor=28, min_pixels=min_pixels,
                         max_pixels=max_pixels)
     return image if (w, h) == image.size else image.resize((w, h))

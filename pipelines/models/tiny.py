@@ -71,8 +71,10 @@ SPECS: dict[str, TinySpec] = {
     "nano": TinySpec(vocab_size=1024, hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2,
                      mrope_section=(2, 3, 3), vision_depth=2, vision_hidden=64, vision_heads=2,
                      vision_intermediate=128, max_positions=8192, corpus_docs=600),
-    "small": TinySpec(vocab_size=4096, hidden=256, intermediate=768, layers=4, heads=4, kv_heads=2,
-                      mrope_section=(8, 12, 12), vision_depth=2, vision_hidden=128,
+    # Sized for 2 CPU cores: ~0.6 s per optimiser step on 4 x 450 tokens (the 256-wide model took
+    # 0.94 s and learned no faster per step on the synthetic tasks).
+    "small": TinySpec(vocab_size=4096, hidden=192, intermediate=512, layers=4, heads=4, kv_heads=2,
+                      mrope_section=(6, 9, 9), vision_depth=2, vision_hidden=128,
                       vision_heads=2, vision_intermediate=256, max_positions=16384,
                       corpus_docs=3000),
 }

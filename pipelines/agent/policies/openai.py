@@ -32,7 +32,7 @@ def image_data_url(image: Any) -> str:
 
 def visual_tokens_for(image: Any, min_pixels: int, max_pixels: int) -> int:
     """Tokens Qwen2.5-VL spends on ``image`` (one per 28x28 pixels after its resize rule)."""
-    from qwen_vl_utils import smart_resize
+    from pipelines.agent.prompts import smart_resize
 
     h, w = smart_resize(image.height, image.width, factor=28, min_pixels=min_pixels,
                         max_pixels=max_pixels)

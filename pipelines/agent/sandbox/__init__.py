@@ -214,6 +214,7 @@ class _Zygote:
         self.control: socket.socket | None = None
         self.events: dict[str, dict] = {}
         self.exits: dict[str, dict] = {}
+        self.forgotten: set[str] = set()
         self.cond = threading.Condition()
         self.stderr_tail: list[str] = []
         self.tmp_base: str | None = None
@@ -275,7 +276,10 @@ class _Zygote:
             msg = json.loads(data)
             with self.cond:
                 if msg.get("event") == "exit":
-                    self.exits[msg["id"]] = msg
+                    if msg["id"] in self.forgotten:
+                        self.forgotten.discard(msg["id"])
+                    else:
+                        self.exits[msg["id"]] = msg
                 else:
                     self.events[msg.get("id", "")] = msg
                 self.cond.notify_all()
@@ -308,8 +312,10 @@ class _Zygote:
             return self.exits.pop(sid, None)
 
     def forget(self, sid: str) -> None:
+        """Nobody will wait for ``sid``'s exit event: drop it now or when it arrives."""
         with self.cond:
-            self.exits.pop(sid, None)
+            if self.exits.pop(sid, None) is None:
+                self.forgotten.add(sid)
 
     def shutdown(self) -> None:
         with self.lock:
@@ -530,9 +536,10 @@ class Sandbox:
                           "It will be restarted on the next call, without earlier variables.",
                           [], duration, False)
 
-    def _kill(self) -> None:
+    def _kill(self, wait: bool = True) -> None:
         self._zygote.kill(self._sid)
-        self._zygote.wait_exit(self._sid, 2.0)
+        if wait:  # after a timeout: make sure it is gone before a restart
+            self._zygote.wait_exit(self._sid, 2.0)
         self._zygote.forget(self._sid)
         if self._sock is not None:
             self._sock.close()
@@ -544,7 +551,7 @@ class Sandbox:
             return
         self._closed = True
         if self._sock is not None:
-            self._kill()
+            self._kill(wait=False)
 
     def __enter__(self) -> "Sandbox":
         return self

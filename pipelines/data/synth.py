@@ -1,0 +1,127 @@
+"""Synthetic, verifiable tasks generated offline: the embedded default's whole training mix.
+
+Two kinds, in the spirit of the paper's training data:
+
+- ``image-search`` (V* style visual search): a large canvas with small coloured targets among
+  grey distractors; answering needs zooming or pixel measurement.
+- ``video`` (VSI-Bench style): short mp4 clips with moving objects; counting and distance
+  questions with numeric answers scored by MRA, and order-of-appearance as multiple choice.
+
+Every task is a deterministic function of ``(kind, seed, split, index)``, so a set is the same byte
+for byte whatever ``n`` is (task ``i`` does not depend on how many follow) and ``train`` and
+``heldout`` never overlap. A set is a folder with ``tasks.jsonl``, ``media/`` and a
+``manifest.json`` written last; the folder appears atomically.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from pipelines.data.records import Task, write_tasks
+from pipelines.errors import UserError
+from pipelines.fsutil import atomic_dir, atomic_write_json
+
+GENERATOR_VERSION = "1"
+# Well separated in RGB so that colour masks with a generous tolerance survive video compression.
+PALETTE: dict[str, tuple[int, int, int]] = {
+    "red": (220, 40, 40),
+    "green": (40, 170, 60),
+    "blue": (40, 80, 220),
+    "yellow": (235, 205, 30),
+    "purple": (150, 60, 190),
+    "orange": (245, 135, 25),
+}
+KINDS = ("image-search", "video")
+FAMILIES = {
+    "image-search": ("color", "count", "position", "measure", "text"),
+    "video": ("count", "distance", "order"),
+}
+DEFAULT_FAMILIES = {
+    # `text` needs a model that reads; it is for real models, not the tiny demo.
+    "image-search": ("color", "count", "position", "measure"),
+    "video": ("count", "distance", "order"),
+}
+MC_INSTRUCTION = "Answer with the option's letter from the given choices directly."
+
+
+def task_rng(kind: str, seed: int, split: str, index: int) -> random.Random:
+    """The RNG of one task: a hash of its identity, independent of every other task."""
+    digest = hashlib.sha256(f"pyvision-synth:{kind}:{seed}:{split}:{index}".encode()).digest()
+    return random.Random(int.from_bytes(digest[:8], "big"))
+
+
+def mc_question(stem: str, options: Sequence[str]) -> str:
+    lines = [stem] + [f"({chr(65 + i)}) {o}" for i, o in enumerate(options)] + [MC_INSTRUCTION]
+    return "\n".join(lines)
+
+
+def letter_of(options: Sequence[str], value: str) -> str:
+    return chr(65 + list(options).index(value))
+
+
+def synthesize(kind: str, n: int, seed: int, out: str | Path, *, split: str = "train",
+               families: Sequence[str] | None = None, force: bool = False,
+               progress: bool = True) -> dict[str, Any]:
+    """Generate ``n`` tasks of ``kind`` into ``out``; return the manifest."""
+    if kind not in KINDS:
+        raise UserError(f"unknown synthetic kind '{kind}'", hint=f"use one of {', '.join(KINDS)}")
+    fams = tuple(families) if families else DEFAULT_FAMILIES[kind]
+    unknown = [f for f in fams if f not in FAMILIES[kind]]
+    if unknown:
+        raise UserError(f"unknown {kind} family '{unknown[0]}'",
+                        hint=f"use some of {', '.join(FAMILIES[kind])}")
+    if n < 1:
+        raise UserError("--n must be at least 1", hint="e.g. --n 100")
+    out = Path(out)
+    if (out / "manifest.json").exists() and not force:
+        raise UserError(f"{out} already holds a finished synthetic set",
+                        hint="pass --force to regenerate it, or another --out")
+    if kind == "image-search":
+        from pipelines.data.synth_image import make_image_task as make
+    else:
+        from pipelines.data.synth_video import make_video_task as make
+    start = time.monotonic()
+    tasks: list[Task] = []
+    counts: dict[str, int] = {}
+    with atomic_dir(out, overwrite=force) as tmp:
+        (tmp / "media").mkdir()
+        tracker = _progress(progress, f"synth {kind} ({split})", n)
+        for i in range(n):
+            rng = task_rng(kind, seed, split, i)
+            family = fams[i % len(fams)] if len(fams) > 1 else fams[0]
+            task = make(family, rng, i, split, tmp)
+            tasks.append(task)
+            counts[family] = counts.get(family, 0) + 1
+            tracker(i + 1)
+        tracker(None)
+        write_tasks(tmp / "tasks.jsonl", tasks)
+        seconds = time.monotonic() - start
+        manifest = {"kind": kind, "n": n, "seed": seed, "split": split, "families": list(fams),
+                    "generator_version": GENERATOR_VERSION, "counts": counts,
+                    "seconds": round(seconds, 2), "tasks_per_s": round(n / max(seconds, 1e-9), 2)}
+        atomic_write_json(tmp / "manifest.json", manifest)
+    return manifest
+
+
+def _progress(enabled: bool, label: str, total: int) -> Callable[[int | None], None]:
+    if not enabled:
+        return lambda _i: None
+    from rich.progress import Progress
+
+    from pipelines.console import err
+
+    bar = Progress(console=err, transient=True)
+    task = bar.add_task(label, total=total)
+    bar.start()
+
+    def update(i: int | None) -> None:
+        if i is None:
+            bar.stop()
+        else:
+            bar.update(task, completed=i)
+
+    return update

@@ -1,0 +1,67 @@
+"""Validation of a tasks or conversations file: schema, answers, placeholders, and media that open.
+
+Every read in the project validates rows (see ``records.read_tasks``); this adds the expensive
+check that each media file actually decodes (a truncated PNG or an mp4 without frames), for
+``pyvision data validate`` and before long runs.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from pipelines.data.records import (CONVERSATIONS_FILE, TASKS_FILE, read_conversations,
+                                    read_tasks)
+from pipelines.errors import DataError
+
+
+def media_problem(path: Path) -> str | None:
+    """Why ``path`` cannot be used as an image or video, or None when it decodes."""
+    if not path.is_file():
+        return f"missing media file {path}"
+    if path.suffix.lower() in (".mp4", ".webm", ".mkv", ".avi", ".mov"):
+        try:
+            import decord
+
+            if len(decord.VideoReader(str(path))) == 0:
+                return f"video without frames {path}"
+        except Exception as exc:  # noqa: BLE001 - any decoder failure is a finding
+            return f"undecodable video {path} ({str(exc).splitlines()[0][:80]})"
+        return None
+    from PIL import Image
+
+    try:
+        with Image.open(path) as img:
+            img.load()
+    except Exception as exc:  # noqa: BLE001
+        return f"corrupt image {path} ({exc})"
+    return None
+
+
+def validate_path(path: str | Path, *, strict: bool = False) -> dict[str, Any]:
+    p = Path(path)
+    is_conv = (p.is_dir() and (p / CONVERSATIONS_FILE).exists() and not (p / TASKS_FILE).exists()) \
+        or p.name == CONVERSATIONS_FILE
+    rows, report = (read_conversations(p, strict=strict) if is_conv else read_tasks(p, strict=strict))
+    root = p if p.is_dir() else p.parent
+    by: Counter[str] = Counter()
+    good = []
+    for row in rows:
+        media = ([root / m for m in [*row.images, *row.videos]] if is_conv
+                 else row.media_paths(root))
+        problem = next((q for q in (media_problem(m) for m in media) if q), None)
+        if problem:
+            where = f"{report.path}: row '{row.id}'"
+            if strict:
+                raise DataError(f"{where}: {problem}", hint="replace the file or drop the row")
+            report.skip("corrupt_media", where, problem)
+            continue
+        good.append(row)
+        if is_conv:
+            by[f"source: {row.data_source}"] += 1
+        else:
+            by[f"family: {row.metadata.get('family', row.data_source)}"] += 1
+            by[f"answer type: {row.answer_type}"] += 1
+    report.kept = len(good)
+    return {**report.as_dict(), "kind": "conversations" if is_conv else "tasks", "by": dict(by)}

@@ -1,0 +1,189 @@
+"""`pyvision data`: synthesise, validate, write trajectories, export, download, import, prepare."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from pyvision_cli.common import (ConfigOpt, ForceOpt, JsonOpt, RunIdOpt, SetOpt, StoreOpt, command,
+                                 err, load_recipe, make_app, print_json)
+
+app = make_app("Synthesise, download, import, validate and export data.", group=True)
+
+
+@command(app)
+def synth(
+    kind: Annotated[str, typer.Option(help="image-search | video")],
+    n: Annotated[int, typer.Option(help="Number of tasks.", min=1)],
+    out: Annotated[Path, typer.Option(help="Output folder (tasks.jsonl + media/).")],
+    seed: Annotated[int, typer.Option(help="Seed (tasks are a function of seed, split, index).", min=0)] = 0,
+    split: Annotated[str, typer.Option(help="train | heldout (disjoint seed streams).")] = "train",
+    families: Annotated[Optional[str], typer.Option(help="Comma-separated families [default: all but text].")] = None,
+    force: ForceOpt = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Verifiable synthetic tasks: visual search on large canvases, or short videos."""
+    from pipelines.data.synth import synthesize
+
+    fams = [f.strip() for f in families.split(",")] if families else None
+    manifest = synthesize(kind, n, seed, out, split=split, families=fams, force=force)
+    err.print(f"[green]{manifest['n']} {kind} tasks[/] in {out} ({manifest['tasks_per_s']} tasks/s): "
+              f"{manifest['counts']}")
+    if json_out:
+        print_json(manifest)
+
+
+@command(app)
+def validate(
+    path: Annotated[Path, typer.Argument(help="A tasks.jsonl / conversations.jsonl file or its folder.")],
+    strict: Annotated[bool, typer.Option("--strict", help="Fail on the first bad row (exit 2).")] = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Check every row (schema, answer, media present and decodable, placeholders); summarise."""
+    from rich.table import Table
+
+    from pipelines.data.validate import validate_path
+
+    report = validate_path(path, strict=strict)
+    if json_out:
+        print_json(report)
+        return
+    table = Table(title=f"validate {report['path']}")
+    table.add_column("")
+    table.add_column("count", justify="right")
+    table.add_row("rows read", str(report["read"]))
+    table.add_row("rows kept", str(report["kept"]))
+    for reason, count in sorted(report["skipped"].items()):
+        table.add_row(f"skipped: {reason}", str(count))
+    for key, count in sorted(report.get("by", {}).items()):
+        table.add_row(key, str(count))
+    err.print(table)
+    for problem in report["problems"][:20]:
+        err.print(f"  [yellow]{problem}[/]", markup=True)
+
+
+@command(app)
+def trajectories(
+    tasks: Annotated[Path, typer.Option(help="Folder (or tasks.jsonl) of synthetic tasks.")],
+    out: Annotated[Path, typer.Option(help="Output folder (conversations.jsonl + media/).")],
+    seed: Annotated[int, typer.Option(help="Seed for the solvers' code and wording variants.", min=0)] = 0,
+    limit: Annotated[Optional[int], typer.Option(help="Only the first N tasks.", min=1)] = None,
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    force: ForceOpt = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Cold-start SFT trajectories: solver code executed in the real sandbox; wrong ones dropped."""
+    from pipelines.data.trajectories import make_trajectories
+
+    recipe = load_recipe(config, set_)
+    manifest = make_trajectories(tasks, out, seed=seed, agent_cfg=recipe.agent,
+                                 sandbox_cfg=recipe.sandbox, limit=limit, force=force)
+    err.print(f"[green]kept {manifest['kept']} of {manifest['tasks']}[/] trajectories "
+              f"({manifest['trajectories_per_s']}/s); dropped: {manifest['dropped'] or 'none'}")
+    if json_out:
+        print_json(manifest)
+
+
+@command(app)
+def export(
+    fmt: Annotated[str, typer.Option("--format", help="llamafactory | verl")],
+    source: Annotated[list[Path], typer.Option(help="Conversations folder(s) (llamafactory) or tasks folder(s) (verl).")],
+    out: Annotated[Path, typer.Option(help="Output folder.")],
+    name: Annotated[str, typer.Option(help="Dataset name (llamafactory) / file stem (verl).")] = "pyvision_sft",
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """LLaMA-Factory sharegpt + dataset_info.json, or verl RL parquet."""
+    from pipelines.errors import UserError
+
+    if fmt == "llamafactory":
+        from pipelines.data.export_llamafactory import export_llamafactory
+        from pipelines.data.records import read_conversations
+
+        sources = []
+        for s in source:
+            convs, report = read_conversations(s)
+            root = s if s.is_dir() else s.parent
+            sources.append((root, convs))
+        info = export_llamafactory(sources, out, name=name)
+    elif fmt == "verl":
+        from pipelines.data.export_verl import export_verl
+
+        recipe = load_recipe(config, set_)
+        info = export_verl(source, out, name=name, agent_cfg=recipe.agent)
+    else:
+        raise UserError(f"unknown --format '{fmt}'", hint="use llamafactory or verl")
+    err.print(f"[green]exported[/] {info}")
+    if json_out:
+        print_json(info)
+
+
+@command(app)
+def download(
+    name: Annotated[str, typer.Argument(help="pyvision-image-sft | pyvision-image-rl | pyvision-video-rl | vstar | hrbench | mathverse | vsibench")],
+    out: Annotated[Optional[Path], typer.Option(help="Output folder [default: data/<name>].")] = None,
+    strict: Annotated[bool, typer.Option("--strict", help="Fail on the first bad row.")] = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Download from the Hugging Face hub (resumable) and convert to canonical records."""
+    from pipelines.data.hub import download as _download
+
+    manifest = _download(name, out or Path("data") / name, strict=strict)
+    err.print(f"[green]{name}[/]: {manifest}")
+    if json_out:
+        print_json(manifest)
+
+
+@command(app, "import")
+def import_(
+    name: Annotated[str, typer.Argument(help="Dataset name (see `pyvision data download --help`).")],
+    from_dir: Annotated[Path, typer.Option("--from-dir", help="A copy made elsewhere, in the published layout.")],
+    out: Annotated[Optional[Path], typer.Option(help="Output folder [default: data/<name>].")] = None,
+    strict: Annotated[bool, typer.Option("--strict", help="Fail on the first bad row.")] = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Convert a copy downloaded elsewhere into canonical records (for offline machines)."""
+    from pipelines.data.hub import import_dataset
+
+    manifest = import_dataset(name, from_dir, out or Path("data") / name, strict=strict)
+    err.print(f"[green]{name}[/]: kept {manifest.get('kept', '-')} of {manifest.get('read', '-')} rows; "
+              f"skipped {manifest.get('skipped', {}) or 'none'}")
+    if json_out:
+        print_json(manifest)
+
+
+@command(app)
+def prepare(
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    run_id: RunIdOpt = None,
+    store: StoreOpt = None,
+    force: ForceOpt = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """The recipe's data stage: synthetic sets, trajectories, base model, LLaMA-Factory export."""
+    from pipelines.data.stage import run_data_stage
+    from pipelines.rundir import stage_dir
+    from pipelines.store import Store
+
+    recipe = load_recipe(config, set_)
+    sd = stage_dir(recipe, "data", run_id, runs_dir=None, store=Store(store),
+                   recipe_path=str(config) if config else None)
+    if sd.is_complete() and not force:
+        err.print(f"data stage of run '{sd.run_id}' already finished; pass --force to redo it")
+        if json_out:
+            print_json(sd.manifest())
+        return
+    sd.begin(force=force)
+    try:
+        result = run_data_stage(recipe, sd)
+    except BaseException as exc:
+        sd.fail(str(exc))
+        raise
+    err.print(f"[green]data ready[/] in {sd.path}: {result['summary']}")
+    if json_out:
+        print_json(sd.manifest())
