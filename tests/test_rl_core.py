@@ -1,0 +1,248 @@
+"""RL core: reward terms, the judge client, the rollout strategy, GRPO and PPO math vs verl."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import pytest
+import torch
+
+from pipelines.config.reward import JudgeConfig, RewardConfig
+from pipelines.config.rl import AlgorithmConfig, StrategyConfig
+from pipelines.data.records import Task
+from pipelines.rl.algos import grpo_advantages, kl_loss, policy_loss
+from pipelines.rl.judge import Judge, family_of, judge_prompt
+from pipelines.rl.rewards import compute_reward
+from pipelines.rl.strategy import Group, Rollout, Selector, broken_reason, select_groups
+from pipelines.store import Store
+
+COUNT = Task(id="c", data_source="synth/image-search", question="How many red objects?",
+             answer="3", answer_type="number")
+CHOICE = Task(id="m", data_source="vstar", question="Colour?\n(A) red\n(B) blue", answer="B",
+              answer_type="choice", options=["red", "blue"])
+MRA = Task(id="d", data_source="synth/video", question="How far?", answer="100",
+           answer_type="number", metadata={"metric": "mra"})
+
+
+def reward(task, answer, calls=2, chars=None, well_formed=True, **cfg):
+    return compute_reward(task, answer, answer_chars=len(answer or "") if chars is None else chars,
+                          successful_tool_calls=calls, well_formed=well_formed,
+                          cfg=RewardConfig(**cfg))
+
+
+# -- rewards ------------------------------------------------------------------------------------
+
+
+def test_correct_answer_gets_accuracy_and_tool_bonus():
+    r = reward(COUNT, "3", calls=2)
+    assert (r.accuracy, r.tool, r.correct) == (1.0, pytest.approx(0.2), True)
+    assert r.total == pytest.approx(1.2) and r.scorer.startswith("number")
+
+
+def test_tool_bonus_only_when_correct():
+    r = reward(COUNT, "4", calls=5)
+    assert (r.total, r.accuracy, r.tool, r.correct) == (0.0, 0.0, 0.0, False)
+
+
+def test_tool_bonus_cap():
+    assert reward(COUNT, "3", calls=10, tool_reward_cap=0.3).tool == pytest.approx(0.3)
+
+
+def test_length_guard_zeroes_the_whole_reward():
+    r = reward(COUNT, "3", calls=3, chars=5000, max_answer_chars=1000)
+    assert r.total == 0.0 and r.tool == 0.0 and r.scorer == "length-guard"
+
+
+def test_malformed_gets_format_penalty():
+    r = reward(COUNT, None, well_formed=False, format_penalty=0.5)
+    assert r.total == -0.5 and r.format == -0.5 and not r.correct
+
+
+def test_choice_by_letter_and_mra_modes():
+    assert reward(CHOICE, "B").correct and not reward(CHOICE, "A").correct
+    binary = reward(MRA, "92", calls=0)
+    assert binary.correct and binary.accuracy == 1.0
+    graded = reward(MRA, "92", calls=0, accuracy_mode="mra")
+    assert 0.5 < graded.accuracy < 1.0
+    assert reward(MRA, "no number here", calls=1).total == 0.0  # never crashes
+
+
+# -- judge --------------------------------------------------------------------------------------
+
+
+class JudgeServer:
+    def __init__(self, replies):
+        self.replies, self.requests = list(replies), []
+        outer = self
+
+        class H(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802
+                outer.requests.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+                status, text = outer.replies.pop(0) if outer.replies else (500, "")
+                body = json.dumps({"choices": [{"message": {"content": text}}]}).encode()
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *a):
+                return None
+
+        self.httpd = HTTPServer(("127.0.0.1", 0), H)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+
+
+def _judge(url, store=None, retries=2):
+    return Judge(JudgeConfig(base_url=url, max_retries=retries, backoff_s=0.0, timeout_s=2), store)
+
+
+def test_judge_answers_and_caches(tmp_path):
+    server = JudgeServer([(200, "Judgement: 1"), (200, "Judgement: 0")])
+    store = Store(tmp_path / "s.duckdb")
+    try:
+        judge = _judge(server.url, store)
+        assert judge.judge("Q?", "dark red", "red", "vstar") == 1.0
+        assert judge.judge("Q?", "blue", "red", "vstar") == 0.0
+        # Same question again: from the cache, no request.
+        assert judge.judge("Q?", "dark red", "red", "vstar") == 1.0
+        again = _judge(server.url, store)  # a new client reads the store's cache
+        assert again.judge("Q?", "dark red", "red", "vstar") == 1.0
+    finally:
+        server.close()
+    assert len(server.requests) == 2
+    assert server.requests[0]["temperature"] == 0.3
+    assert judge.stats()["cache_hits"] == 1 and again.stats()["cache_hits"] == 1
+
+
+def test_judge_outage_falls_back_and_is_counted():
+    judge = _judge("http://127.0.0.1:9", retries=2)
+    assert judge.judge("Q", "a", "b", "x") is None
+    stats = judge.stats()
+    assert stats["requests"] == 3 and stats["fallbacks"] == 1
+    r = compute_reward(Task(id="t", data_source="wemath", question="Find x", answer="\\frac{1}{2}",
+                            answer_type="math"), "0.5", answer_chars=3, successful_tool_calls=1,
+                       well_formed=True, cfg=RewardConfig(judge=JudgeConfig(base_url="http://127.0.0.1:9")),
+                       judge=judge)
+    assert r.judge_fallback and not r.judged and r.correct  # math-verify decided
+
+
+def test_judge_garbage_and_500s():
+    server = JudgeServer([(500, ""), (200, "I think they match"), (200, "Judgement: 1")])
+    try:
+        judge = _judge(server.url, retries=1)
+        assert judge.judge("Q", "a", "b", "x") is None  # 500 then unreadable
+        assert judge.stats()["unreadable"] == 1
+    finally:
+        server.close()
+
+
+def test_judge_prompt_families_never_crash():
+    assert family_of("vstar") == "visual_search" and family_of("VSI-Bench") == "vsi"
+    assert family_of("totally-unknown-source") == "generic"
+    assert "Judgement: 1" in judge_prompt("q", "a", "b", "mathverse")
+
+
+# -- strategy -----------------------------------------------------------------------------------
+
+
+def group(i, rewards, broken=(), images=None):
+    return Group(i, f"t{i}", [Rollout(r, broken[k] if k < len(broken) else None,
+                                      True if images is None else images[k])
+                              for k, r in enumerate(rewards)])
+
+
+def test_zero_variance_and_broken_are_dropped_with_reasons():
+    groups = [group(0, [1, 1, 1, 1]), group(1, [0, 1, 0, 1], broken=[None, None, "context_overflow"]),
+              group(2, [0, 0, 0, 1])]
+    sel = select_groups(groups, 8, StrategyConfig())
+    assert [g.prompt_index for g, _ in sel.kept] == [1, 2]  # std 0.577 > 0.5
+    assert sel.kept[0][1] == [0, 1, 3]
+    assert sel.dropped == {"zero_variance": 1, "broken:context_overflow": 1}
+    m = sel.metrics()
+    assert m["strategy/kept_groups"] == 2 and m["strategy/dropped_broken_context_overflow"] == 1
+
+
+def test_ranking_keeps_whole_groups_and_breaks_ties_by_index():
+    groups = [group(3, [0, 1]), group(1, [0, 1]), group(2, [0, 0.2]), group(0, [0, 0.5])]
+    sel = select_groups(groups, 2, StrategyConfig())
+    assert [g.prompt_index for g, _ in sel.kept] == [1, 3]  # equal std: lower index first
+    assert all(len(idx) == 2 for _, idx in sel.kept)  # never split
+    assert sel.dropped["rank_cut"] == 2
+
+
+def test_switches_for_ablations():
+    groups = [group(0, [1, 1]), group(1, [0, 0.1]), group(2, [0, 1], broken=["image_limit"])]
+    off = StrategyConfig(filter_zero_variance=False, filter_broken=False, rank_by_std=False)
+    sel = select_groups(groups, 2, off)
+    assert [g.prompt_index for g, _ in sel.kept] == [0, 1] and sel.dropped == {"rank_cut": 1}
+    no_image = select_groups([group(0, [0, 1], images=[False, True])], 4,
+                             StrategyConfig(filter_no_image=True))
+    assert no_image.kept[0][1] == [1] and no_image.dropped["no_image"] == 1
+
+
+def test_all_broken_group_is_empty():
+    sel = select_groups([group(0, [0, 1], broken=["malformed", "malformed"])], 4, StrategyConfig())
+    assert sel.kept == [] and sel.dropped["empty"] == 1
+
+
+def test_selector_generates_until_enough_survive():
+    sel = Selector(2, StrategyConfig(), max_rounds=5)
+    sel.add([group(0, [1, 1]), group(1, [0, 1])])
+    assert not sel.ready
+    sel.add([group(2, [0, 1])])
+    assert sel.ready and [g.prompt_index for g, _ in sel.select().kept] == [1, 2]
+    capped = Selector(10, StrategyConfig(), max_rounds=1)
+    capped.add([group(0, [0, 0])])
+    assert capped.ready and capped.select().kept == []
+
+
+def test_broken_reason_mapping():
+    assert broken_reason("context_overflow", None) == "context_overflow"
+    assert broken_reason("no_code_nor_answer", None) == "malformed"
+    assert broken_reason("max_turns", None) is None and broken_reason("tool_error", None) is None
+    assert broken_reason("answered", "3") is None
+
+
+# -- algorithm vs verl ---------------------------------------------------------------------------
+
+
+def test_group_advantages_match_verl():
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 1]])
+    adv = grpo_advantages([1, 0, 0, 1], [7, 7, 7, 7], mask)
+    assert adv[:, 0].tolist() == pytest.approx([0.5, -0.5, -0.5, 0.5])
+    assert (adv * (1 - mask)).abs().sum() == 0  # nothing on padding
+    normed = grpo_advantages([1, 0, 0, 1], [7, 7, 7, 7], mask, norm_by_std=True)
+    std = torch.tensor([1.0, 0, 0, 1]).std()
+    assert normed[0, 0].item() == pytest.approx(0.5 / (std.item() + 1e-6))
+    g = group(0, [1, 0, 0, 1])
+    assert g.advantages(False) == pytest.approx(adv[:, 0].tolist())
+    assert g.advantages(True) == pytest.approx(normed[:, 0].tolist(), rel=1e-5)
+
+
+def test_policy_loss_matches_hand_computation():
+    old = torch.zeros(2, 3)
+    new = torch.tensor([[0.5, 0.0, 0.0], [-0.5, 0.1, 0.0]])
+    adv = torch.tensor([[1.0, 1.0, 1.0], [-1.0, -1.0, -1.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    loss, metrics = policy_loss(old, new, adv, mask, AlgorithmConfig())
+    ratio = new.exp()
+    clipped = ratio.clamp(0.8, 1.2)
+    per_tok = torch.maximum(-adv * ratio, -adv * clipped)
+    expected = (per_tok * mask).sum() / mask.sum()
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
+    assert 0 < metrics["pg_clipfrac"] <= 1
+    # Observation tokens (mask 0) have no effect whatever their values.
+    new2 = new.clone()
+    new2[0, 2] = 5.0
+    assert policy_loss(old, new2, adv, mask, AlgorithmConfig())[0].item() == pytest.approx(loss.item())
+
+
+def test_kl_is_zero_for_identical_policies():
+    lp = torch.randn(2, 4)
+    assert kl_loss(lp, lp, torch.ones(2, 4), AlgorithmConfig()).item() == pytest.approx(0.0, abs=1e-6)
