@@ -30,22 +30,20 @@ def debug_enabled() -> bool:
     return os.environ.get("PYVISION_DEBUG", "").lower() in ("1", "true", "yes")
 
 
-class UserFacingError(click.ClickException):
-    """A UserError on its way out through click: one line on stderr, exit code 2."""
-
-    exit_code = 2
-
-    def show(self, file: Any = None) -> None:  # noqa: ARG002 - click's signature
-        err.print(f"[bold red]error:[/] {self.message}", soft_wrap=True)
-
-
 def _reraise_user_errors(call, *args, **kwargs):
+    """Run a command; a UserError becomes one unwrapped red line on stderr and exit code 2.
+
+    (Raising a ClickException instead would let Typer draw a wrapped box around the message.)
+    """
     try:
         return call(*args, **kwargs)
     except UserError as exc:
         if debug_enabled():
             traceback.print_exc(file=sys.stderr)
-        raise UserFacingError(exc.one_line()) from exc
+        from rich.markup import escape
+
+        err.print(f"[bold red]error:[/] {escape(exc.one_line())}", soft_wrap=True, highlight=False)
+        raise typer.Exit(exc.exit_code) from None
 
 
 class PyVisionGroup(TyperGroup):

@@ -33,7 +33,7 @@ PALETTE: dict[str, tuple[int, int, int]] = {
     "blue": (40, 80, 220),
     "yellow": (235, 205, 30),
     "purple": (150, 60, 190),
-    "orange": (245, 135, 25),
+    "cyan": (40, 200, 210),
 }
 KINDS = ("image-search", "video")
 FAMILIES = {
