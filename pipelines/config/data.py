@@ -16,6 +16,9 @@ class SynthKindConfig(Section):
     n_heldout: int = Field(0, ge=0, le=1_000_000)
     """Held-out tasks for evaluation, generated with a different seed stream."""
 
+    families: list[str] | None = None
+    """Task families to generate (None: the kind's default set; see `pyvision data synth`)."""
+
 
 class SynthConfig(Section):
     """Synthetic task generation (offline, deterministic given the seed)."""

@@ -60,14 +60,14 @@ def run_data_stage(recipe: Recipe, sd: StageDir, *, show_progress: bool = True) 
             held = root / "synth" / kind / "heldout"
             if not (held / "manifest.json").exists():
                 synthesize(kind, cfg.n_heldout, recipe.seed, held, split="heldout",
-                           progress=show_progress)
+                           families=cfg.families, progress=show_progress)
             outputs["heldout"][KIND_BENCHMARK[kind]] = str(held)
         if not cfg.n_train:
             continue
         train = root / "synth" / kind / "train"
         if not (train / "manifest.json").exists():
             m = synthesize(kind, cfg.n_train, recipe.seed, train, split="train",
-                           progress=show_progress)
+                           families=cfg.families, progress=show_progress)
             summary[f"{kind}/tasks_per_s"] = m["tasks_per_s"]
         tasks, _ = read_tasks(train)
         n_sft = round(len(tasks) * recipe.data.synth.sft_fraction)

@@ -103,11 +103,21 @@ def run_sft(recipe: Recipe, sd: StageDir, *, model: str, dataset_dir: str, datas
     if not (output_dir / "config.json").is_file() and not (output_dir / "adapter_config.json").is_file():
         raise UserError(f"LLaMA-Factory finished but wrote no model into {output_dir}",
                         hint=f"read {sd.path / lf.LOG_FILE}")
-    kind = "adapter" if (output_dir / "adapter_config.json").is_file() else "model"
+    outputs: dict[str, Any] = {"base_model": model, "train_yaml": str(yaml_path),
+                               "log": str(sd.path / lf.LOG_FILE)}
+    if (output_dir / "adapter_config.json").is_file():
+        # Later stages need a model, not an adapter: merge it here with LLaMA-Factory's export.
+        from pipelines.merge import merge_lora
+
+        outputs["adapter"] = str(output_dir)
+        outputs["model"] = merge_lora(output_dir, model, sd.path / "merged",
+                                      python=recipe.sft.python, template=recipe.sft.template,
+                                      force=True)["path"]
+    else:
+        outputs["model"] = str(output_dir)
     summary = {"steps": state["step"], "total_steps": state["total"],
                "first_loss": losses[0] if losses else None,
                "last_loss": losses[-1] if losses else None, "seconds": round(seconds, 1),
                "finetuning_type": recipe.sft.finetuning_type}
-    sd.finish({kind: str(output_dir), "base_model": model, "train_yaml": str(yaml_path),
-               "log": str(sd.path / lf.LOG_FILE)}, summary)
+    sd.finish(outputs, summary)
     return summary

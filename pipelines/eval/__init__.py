@@ -1,0 +1,1 @@
+"""Evaluation: the agentic runner (`runner`), lmms-eval interoperability (`lmms`, `lmms_plugin`)."""

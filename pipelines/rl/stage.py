@@ -1,0 +1,56 @@
+"""The RL stage: inputs from the earlier stages, then the local engine or verl.
+
+Inputs: the policy to start from is the SFT stage's model (``sft/output``; a LoRA adapter is merged
+first), else the data stage's base model; RL prompts are the data stage's ``rl_tasks`` folders.
+Both can be given explicitly. ``engine: local`` trains in this process; ``engine: verl`` renders
+verl's configuration and launches ``verl.trainer.main_ppo`` (see ``pipelines/rl/verl``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from pipelines.config.recipe import Recipe
+from pipelines.errors import UserError
+from pipelines.rundir import StageDir
+
+
+def _manifest_outputs(sd: StageDir, stage: str) -> dict[str, Any]:
+    path = sd.runs_dir / sd.run_id / stage / "manifest.json"
+    return json.loads(path.read_text())["outputs"] if path.is_file() else {}
+
+
+def resolve_rl_inputs(recipe: Recipe, sd: StageDir, *, model: str | None = None,
+                      tasks: list[str] | None = None) -> tuple[str, list[str]]:
+    """(policy to start from, RL task folders)."""
+    data = _manifest_outputs(sd, "data")
+    sft = _manifest_outputs(sd, "sft")
+    model = model or sft.get("model") or data.get("base_model") or (
+        None if recipe.model.tiny else recipe.model.base)
+    if model is None:
+        raise UserError(f"no model to start RL from in run '{sd.run_id}'",
+                        hint="run the data and sft stages first, or pass --model PATH")
+    task_dirs = tasks or data.get("rl_tasks") or []
+    if not task_dirs:
+        raise UserError(f"no RL prompts for run '{sd.run_id}'",
+                        hint="run the data stage first, or pass --tasks DIR (a tasks.jsonl folder)")
+    return model, [str(t) for t in task_dirs]
+
+
+def run_rl(recipe: Recipe, sd: StageDir, *, model: str, task_dirs: list[str], resume: bool = False,
+           dry_run: bool = False, show_progress: bool = True) -> dict[str, Any]:
+    """Dispatch to the configured engine; returns the stage summary (or the launch plan)."""
+    if recipe.rl.engine == "local":
+        if dry_run:
+            raise UserError("--dry-run is for the verl engine (it prints the launch command)",
+                            hint="drop --dry-run, or pass --engine verl")
+        from pipelines.rl.local import train_local
+
+        return train_local(recipe, sd, model_path=model, task_dirs=task_dirs, resume=resume,
+                           show_progress=show_progress)
+    from pipelines.rl.verl.launch import launch_verl
+
+    return launch_verl(recipe, sd, model=model, task_dirs=[Path(t) for t in task_dirs],
+                       resume=resume, dry_run=dry_run, show_progress=show_progress)

@@ -1,0 +1,163 @@
+"""`pyvision run`: a recipe end to end under one run id.
+
+Stages run in order: ``data -> sft -> rl -> merge -> eval -> report``. A stage whose manifest exists
+is skipped (``--force`` redoes the stages in the selected range); ``--from`` / ``--until`` select a
+range. An interrupted SFT or RL stage continues from its last checkpoint when run again.
+
+- ``merge`` settles the final model: the RL model (a verl checkpoint is merged with verl's
+  merger; the local engine already writes a Hugging Face model).
+- ``eval`` evaluates the base, SFT and RL models (tags ``base``, ``sft``, ``rl``) on the recipe's
+  benchmarks; the synthetic held-out sets come from the data stage.
+- ``report`` writes the report for this run into ``runs/<run-id>/report``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from pipelines.config.recipe import Recipe
+from pipelines.console import err
+from pipelines.errors import UserError
+from pipelines.rundir import STAGES, StageDir, stage_dir
+
+
+def _outputs(sd: StageDir, stage: str) -> dict[str, Any]:
+    path = sd.runs_dir / sd.run_id / stage / "manifest.json"
+    return json.loads(path.read_text())["outputs"] if path.is_file() else {}
+
+
+def _stage_data(recipe: Recipe, sd: StageDir, show: bool) -> dict[str, Any]:
+    from pipelines.data.stage import run_data_stage
+
+    return run_data_stage(recipe, sd, show_progress=show)["summary"]
+
+
+def _stage_sft(recipe: Recipe, sd: StageDir, show: bool) -> dict[str, Any]:
+    from pipelines.sft.stage import resolve_sft_inputs, run_sft
+
+    model, ds_dir, ds_name = resolve_sft_inputs(recipe, sd)
+    resume = (sd.path / "output").is_dir() and any((sd.path / "output").glob("checkpoint-*"))
+    return run_sft(recipe, sd, model=model, dataset_dir=ds_dir, dataset=ds_name, resume=resume,
+                   show_progress=show)
+
+
+def _stage_rl(recipe: Recipe, sd: StageDir, show: bool) -> dict[str, Any]:
+    from pipelines.rl.local_utils import list_checkpoints
+    from pipelines.rl.stage import resolve_rl_inputs, run_rl
+
+    model, tasks = resolve_rl_inputs(recipe, sd)
+    resume = bool(list_checkpoints(sd.path / "checkpoints"))
+    return run_rl(recipe, sd, model=model, task_dirs=tasks, resume=resume, show_progress=show)
+
+
+def _stage_merge(recipe: Recipe, sd: StageDir, show: bool) -> dict[str, Any]:
+    rl = _outputs(sd, "rl")
+    if recipe.rl.engine == "verl":
+        from pipelines.merge import merge_verl
+
+        info = merge_verl(rl["checkpoints"], sd.path / "model", python=recipe.rl.verl.python,
+                          force=True)
+        final = info["path"]
+    else:
+        if "model" not in rl:
+            raise UserError(f"run '{sd.run_id}' has no RL model to merge",
+                            hint="run the rl stage first (or --from rl)")
+        final = rl["model"]
+    sd.finish({"model": final}, {"model": final})
+    return {"model": final}
+
+
+def models_to_evaluate(sd: StageDir) -> dict[str, str]:
+    """Model tag -> path for every model the run produced (base, sft, rl)."""
+    out = {}
+    base = _outputs(sd, "data").get("base_model")
+    if base:
+        out["base"] = base
+    sft = _outputs(sd, "sft").get("model")
+    if sft:
+        out["sft"] = sft
+    final = _outputs(sd, "merge").get("model") or _outputs(sd, "rl").get("model")
+    if final:
+        out["rl"] = final
+    return out
+
+
+def _stage_eval(recipe: Recipe, sd: StageDir, show: bool) -> dict[str, Any]:
+    from pipelines.eval.runner import run_eval
+
+    data_dirs = _outputs(sd, "data").get("heldout", {})
+    summary: dict[str, Any] = {}
+    for tag, path in models_to_evaluate(sd).items():
+        results = run_eval(recipe, model=path, model_tag=tag, benchmarks=list(recipe.eval.benchmarks),
+                           run_id=sd.run_id, store=sd.store, data_dirs=data_dirs,
+                           show_progress=show)
+        for bench, agg in results.items():
+            for metric in ("accuracy", "overall", "average"):
+                if metric in agg:
+                    summary[f"{tag}/{bench}/{metric}"] = agg[metric]
+                    break
+    sd.finish({"models": models_to_evaluate(sd)}, summary)
+    return summary
+
+
+def _stage_report(recipe: Recipe, sd: StageDir, show: bool) -> dict[str, Any]:
+    from pipelines.report import write_report
+
+    formats = [f for f in recipe.report.formats if f != "table"]
+    written = write_report(sd.store, [sd.run_id], formats, sd.run_path / "report")
+    sd.finish(written, {"html": written.get("html")})
+    return written
+
+
+RUNNERS = {"data": _stage_data, "sft": _stage_sft, "rl": _stage_rl, "merge": _stage_merge,
+           "eval": _stage_eval, "report": _stage_report}
+
+
+def run_pipeline(recipe: Recipe, *, store: Any, run_id: str | None = None,
+                 recipe_path: str | None = None, from_stage: str | None = None,
+                 until_stage: str | None = None, force: bool = False,
+                 show_progress: bool = True) -> dict[str, Any]:
+    """Run the selected stages; return a summary per stage (status, seconds, key numbers)."""
+    for name, value in (("--from", from_stage), ("--until", until_stage)):
+        if value is not None and value not in STAGES:
+            raise UserError(f"unknown stage '{value}' for {name}", hint=f"use one of {', '.join(STAGES)}")
+    lo = STAGES.index(from_stage) if from_stage else 0
+    hi = STAGES.index(until_stage) if until_stage else len(STAGES) - 1
+    if lo > hi:
+        raise UserError(f"--from {from_stage} comes after --until {until_stage}",
+                        hint=f"stages run in the order {' -> '.join(STAGES)}")
+    summary: dict[str, Any] = {}
+    selected = STAGES[lo: hi + 1]
+    for i, stage in enumerate(selected, start=1):
+        sd = stage_dir(recipe, stage, run_id, runs_dir=None, store=store, recipe_path=recipe_path)
+        if sd.is_complete() and not force:
+            stale = _config_drift(sd)
+            note = f" (its config differs in {stale}; pass --from {stage} --force to redo)" if stale else ""
+            err.print(f"[dim][{i}/{len(selected)}] {stage}: already done, skipped{note}[/]")
+            summary[stage] = {"status": "skipped", **sd.manifest().get("summary", {})}
+            continue
+        err.rule(f"[{i}/{len(selected)}] {stage}")
+        start = time.monotonic()
+        sd.begin(force=force)
+        try:
+            result = RUNNERS[stage](recipe, sd, show_progress)
+        except BaseException as exc:
+            sd.fail(str(exc))
+            raise
+        summary[stage] = {"status": "done", "seconds": round(time.monotonic() - start, 1),
+                          **{k: v for k, v in (result or {}).items()
+                             if isinstance(v, (int, float, str)) and not isinstance(v, bool)}}
+    return summary
+
+
+def _config_drift(sd: StageDir) -> str:
+    """Keys whose value in the stage's stored config differs from the current recipe."""
+    try:
+        sd.check_same_config()
+    except UserError as exc:
+        text = exc.message
+        return text[text.find("(") + 1: text.find(" changed")] if "(" in text else "some keys"
+    return ""

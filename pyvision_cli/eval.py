@@ -1,0 +1,97 @@
+"""`pyvision eval`: agentic evaluation with DuckDB tracking; `pyvision eval score` for predictions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from pyvision_cli.common import (ConfigOpt, JsonOpt, PyVisionGroup, RunIdOpt, SetOpt,
+                                 StoreOpt, command, err, load_recipe, print_json)
+
+app = typer.Typer(help="Evaluate agentically on V*, HRBench, MathVerse, VSI-Bench and synthetic sets.",
+                  cls=PyVisionGroup, add_completion=False, pretty_exceptions_enable=False,
+                  invoke_without_command=True, no_args_is_help=False,
+                  context_settings={"help_option_names": ["-h", "--help"]})
+
+
+@app.callback(invoke_without_command=True)
+def evaluate(
+    ctx: typer.Context,
+    model: Annotated[Optional[str], typer.Option(help="Local model folder or OpenAI-compatible server URL.")] = None,
+    benchmarks: Annotated[Optional[str], typer.Option(help="Comma-separated: vstar,hrbench4k,hrbench8k,mathverse,vsibench,synth-image,synth-video [default: eval.benchmarks].")] = None,
+    limit: Annotated[Optional[int], typer.Option(help="First N samples of each benchmark.", min=1)] = None,
+    engine: Annotated[Optional[str], typer.Option(help="hf | openai | vllm [default: eval.engine].")] = None,
+    max_turns: Annotated[Optional[int], typer.Option(help="Most assistant turns [default: agent.max_turns_eval].", min=1)] = None,
+    data_dir: Annotated[Optional[Path], typer.Option(help="Local copy of the benchmark(s) in the published layout.")] = None,
+    served_model: Annotated[Optional[str], typer.Option(help="Model name sent to a server URL.")] = None,
+    model_tag: Annotated[Optional[str], typer.Option(help="Name of this model in the store and report [default: the model path].")] = None,
+    harness: Annotated[str, typer.Option(help="pyvision (our loop) | lmms-eval (run lmms-eval with our plugin).")] = "pyvision",
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    run_id: RunIdOpt = None,
+    store: StoreOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Run the agent loop on every sample; store trajectories, scores and aggregates (resumable)."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from pipelines.errors import UserError
+
+    if model is None:
+        raise UserError("--model is required", hint="e.g. pyvision eval --model runs/demo/rl/model "
+                        "--benchmarks synth-image --data-dir runs/demo/data/synth/image-search/heldout")
+    overrides = list(set_ or [])
+    if max_turns is not None:
+        overrides.append(f"agent.max_turns_eval={max_turns}")
+    recipe = load_recipe(config, overrides)
+    names = [b.strip() for b in benchmarks.split(",")] if benchmarks else list(recipe.eval.benchmarks)
+    from pipelines.store import Store
+
+    st = Store(store)
+    rid = run_id or f"eval-{recipe.name}"
+    tag = model_tag or model
+    st.upsert_run(rid, recipe.name, recipe_path=str(config) if config else None,
+                  config=recipe.model_dump(mode="json"))
+    if harness == "lmms-eval":
+        from pipelines.eval.lmms import run_lmms_eval
+
+        results = run_lmms_eval(model, names, run_id=rid, model_tag=tag, store=st, limit=limit,
+                                recipe=recipe)
+    elif harness == "pyvision":
+        from pipelines.eval.runner import run_eval
+
+        dirs = {n: data_dir for n in names} if data_dir else None
+        is_url = model.startswith(("http://", "https://"))
+        results = run_eval(recipe, model=model, model_tag=tag, benchmarks=names, run_id=rid,
+                           store=st, data_dirs=dirs, limit=limit,
+                           engine=engine or ("openai" if is_url else recipe.eval.engine),
+                           base_url=model if is_url else None, served_model=served_model)
+    else:
+        raise UserError(f"unknown --harness '{harness}'", hint="use pyvision or lmms-eval")
+    if json_out:
+        print_json({"run_id": rid, "model": tag, "results": results})
+
+
+@command(app, "score")
+def score(
+    benchmark: Annotated[str, typer.Option(help="Benchmark name, e.g. vsibench.")],
+    predictions: Annotated[Path, typer.Option(help="JSONL: the benchmark's own fields plus `prediction`.")],
+    json_out: JsonOpt = False,
+) -> None:
+    """Official scores for final answers, no model needed."""
+    from rich.table import Table
+
+    from benchmarks import score_predictions
+
+    result = score_predictions(benchmark, predictions)
+    if json_out:
+        print_json(result)
+        return
+    table = Table(title=f"{result['benchmark']} (n={result['n']})")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for metric, value in result["aggregate"].items():
+        table.add_row(metric, f"{100 * value:.2f}")
+    err.print(table)

@@ -1,0 +1,57 @@
+"""`pyvision rl`: RL with the PyVision rollout strategy, on the local engine or on verl."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from pyvision_cli.common import (ConfigOpt, ForceOpt, JsonOpt, RunIdOpt, SetOpt, StoreOpt, command,
+                                 err, load_recipe, make_app, print_json)
+
+app = make_app("RL with the PyVision rollout strategy (local engine or verl).", no_args_is_help=False)
+
+
+@command(app)
+def rl(
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    run_id: RunIdOpt = None,
+    store: StoreOpt = None,
+    force: ForceOpt = False,
+    engine: Annotated[Optional[str], typer.Option(help="local | verl [default: rl.engine].")] = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue from the last checkpoint.")] = False,
+    model: Annotated[Optional[str], typer.Option(help="Policy to start from [default: the SFT model].")] = None,
+    tasks: Annotated[Optional[list[str]], typer.Option(help="RL prompt folder(s) [default: the data stage's].")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="verl: write the launch files and print the command, start nothing.")] = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Oversample, filter zero-variance and broken groups, rank by reward std; GRPO without std
+    normalisation; accumulative tool reward. Metrics stream into the store every step."""
+    from pipelines.rl.stage import resolve_rl_inputs, run_rl
+    from pipelines.rundir import stage_dir
+    from pipelines.store import Store
+
+    overrides = list(set_ or []) + ([f"rl.engine={engine}"] if engine else [])
+    recipe = load_recipe(config, overrides)
+    sd = stage_dir(recipe, "rl", run_id, runs_dir=None, store=Store(store),
+                   recipe_path=str(config) if config else None)
+    if sd.is_complete() and not force and not dry_run:
+        err.print(f"rl of run '{sd.run_id}' already finished ({sd.manifest_path}); pass --force to redo it")
+        if json_out:
+            print_json(sd.manifest())
+        return
+    start_model, task_dirs = resolve_rl_inputs(recipe, sd, model=model, tasks=tasks)
+    if not dry_run:
+        sd.begin(force=force and not resume)
+    try:
+        result = run_rl(recipe, sd, model=start_model, task_dirs=task_dirs, resume=resume,
+                        dry_run=dry_run)
+    except BaseException as exc:
+        if not dry_run:
+            sd.fail(str(exc))
+        raise
+    if json_out:
+        print_json(result if dry_run else sd.manifest())
+    elif not dry_run:
+        err.print(f"[green]RL done[/]: {result}")

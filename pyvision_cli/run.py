@@ -1,0 +1,55 @@
+"""`pyvision run RECIPE`: data -> sft -> rl -> merge -> eval -> report under one run id."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from pyvision_cli.common import (ForceOpt, JsonOpt, RunIdOpt, SetOpt, StoreOpt, command, err,
+                                 load_recipe, make_app, print_json)
+
+app = make_app("Run a recipe end to end: data, sft, rl, merge, eval, report.")
+
+
+@command(app)
+def run(
+    recipe: Annotated[Path, typer.Argument(help="Recipe YAML, e.g. pipelines/recipes/tiny-cpu.yaml.")],
+    set_: SetOpt = None,
+    run_id: RunIdOpt = None,
+    store: StoreOpt = None,
+    from_stage: Annotated[Optional[str], typer.Option("--from", help="First stage to run.")] = None,
+    until_stage: Annotated[Optional[str], typer.Option("--until", help="Last stage to run.")] = None,
+    force: ForceOpt = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Finished stages are skipped; an interrupted run continues where it stopped."""
+    import time
+
+    from rich.table import Table
+
+    from pipelines.run import run_pipeline
+    from pipelines.store import Store
+
+    cfg = load_recipe(recipe, set_)
+    st = Store(store)
+    start = time.monotonic()
+    summary = run_pipeline(cfg, store=st, run_id=run_id, recipe_path=str(recipe),
+                           from_stage=from_stage, until_stage=until_stage, force=force)
+    rid = run_id or cfg.name
+    table = Table(title=f"run '{rid}' ({time.monotonic() - start:.0f} s)")
+    table.add_column("stage")
+    table.add_column("status")
+    table.add_column("seconds", justify="right")
+    table.add_column("highlights")
+    for stage, info in summary.items():
+        highlights = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+                               for k, v in info.items() if k not in ("status", "seconds"))[:160]
+        table.add_row(stage, info["status"], str(info.get("seconds", "-")), highlights)
+    err.print(table)
+    report = Path(cfg.runs_dir) / rid / "report" / "report.html"
+    if report.exists():
+        err.print(f"report: {report}")
+    if json_out:
+        print_json({"run_id": rid, "stages": summary})

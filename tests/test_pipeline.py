@@ -1,0 +1,70 @@
+"""`pyvision run` end to end on the embedded recipe at reduced size; stage skipping and ranges."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from pipelines.config.recipe import DEFAULT_RECIPE, load_recipe
+from pipelines.errors import UserError
+from pipelines.run import run_pipeline
+from pipelines.store import Store
+
+REDUCED = [
+    "model.tiny.size=nano",
+    "data.synth.image_search.n_train=10", "data.synth.image_search.n_heldout=4",
+    "data.synth.video.n_train=6", "data.synth.video.n_heldout=3",
+    "sft.max_steps=3", "sft.per_device_train_batch_size=2", "sft.save_steps=100",
+    "rl.local.steps=1", "rl.prompts_per_step=2", "rl.mini_batch_prompts=2", "rl.n=2",
+    "rl.strategy.filter_zero_variance=false", "rl.strategy.filter_broken=false",
+    "agent.max_new_tokens_per_turn=16", "agent.max_turns_eval=2",
+]
+
+
+@pytest.mark.slow
+def test_embedded_recipe_end_to_end_reduced(tmp_path):
+    runner = CliRunner()
+    args = ["run", str(DEFAULT_RECIPE), "--run-id", "ci", "--json",
+            "--set", f"runs_dir={tmp_path / 'runs'}", *sum((["--set", s] for s in REDUCED), [])]
+    from pyvision_cli.main import app
+
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    stages = json.loads(result.stdout[result.stdout.index("{"):])["stages"]
+    assert [s for s in stages] == ["data", "sft", "rl", "merge", "eval", "report"]
+    assert all(v["status"] == "done" for v in stages.values())
+    run = tmp_path / "runs" / "ci"
+    assert all((run / s / "manifest.json").is_file() for s in stages)
+    store = Store(read_only=True)
+    aggs = store.eval_aggregates(["ci"])
+    assert {(a["model"], a["benchmark"]) for a in aggs if a["metric"] == "accuracy"} == {
+        (m, b) for m in ("base", "sft", "rl") for b in ("synth-image", "synth-video")}
+    assert len(store.eval_sample_ids("ci", "rl", "synth-image")) == 4
+    names = {m["name"] for m in store.metrics("ci", "rl")}
+    assert {"reward/mean", "strategy/kept_groups", "tool_calls/mean", "grad_norm"} <= names
+    assert {m["name"] for m in store.metrics("ci", "sft")} >= {"loss"}
+    html = (run / "report" / "report.html").read_text()
+    assert "synth-image" in html and "data:image/png;base64," in html
+    # Everything is done: a second run skips every stage.
+    again = runner.invoke(app, args)
+    assert again.exit_code == 0, again.output
+    assert all(v["status"] == "skipped" for v in json.loads(
+        again.stdout[again.stdout.index("{"):])["stages"].values())
+
+
+def test_stage_range_validation(tmp_path):
+    recipe = load_recipe(None, [f"runs_dir={tmp_path}"])
+    with pytest.raises(UserError, match="unknown stage 'sfft'"):
+        run_pipeline(recipe, store=Store(), from_stage="sfft")
+    with pytest.raises(UserError, match="comes after"):
+        run_pipeline(recipe, store=Store(), from_stage="eval", until_stage="sft")
+
+
+def test_missing_inputs_name_the_stage_to_run(tmp_path):
+    recipe = load_recipe(None, [f"runs_dir={tmp_path}"])
+    with pytest.raises(UserError, match="data stage"):
+        run_pipeline(recipe, store=Store(), run_id="empty", from_stage="sft", until_stage="sft")
+    assert not (Path(tmp_path) / "empty" / "sft" / "manifest.json").exists()
