@@ -175,5 +175,7 @@ def stage_dir(config: BaseModel, stage: str, run_id: str | None, *, runs_dir: st
     """The StageDir for ``stage`` of ``run_id`` (default run id: the recipe's name)."""
     name = getattr(config, "name", "run")
     rid = check_run_id(run_id or name)
-    root = Path(runs_dir if runs_dir is not None else getattr(config, "runs_dir", "runs"))
+    # Absolute: stages hand these paths to subprocesses (LLaMA-Factory, verl) that run in other
+    # working directories, and later stages read them back from manifests.
+    root = Path(runs_dir if runs_dir is not None else getattr(config, "runs_dir", "runs")).resolve()
     return StageDir(root, rid, stage, config, store=store, recipe_path=recipe_path)

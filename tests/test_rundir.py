@@ -58,3 +58,12 @@ def test_same_config_resumes(tmp_path):
 def test_run_id_validation(bad):
     with pytest.raises(UserError, match="invalid run id"):
         check_run_id(bad)
+
+
+def test_relative_runs_dir_becomes_absolute(tmp_path, monkeypatch):
+    # Stages pass their paths to subprocesses started in other directories (LLaMA-Factory runs in
+    # the stage dir), so a relative `runs_dir` (the default, "runs") must not leak through.
+    monkeypatch.chdir(tmp_path)
+    sd = stage_dir(load_recipe(), "sft", "rel", runs_dir=None)
+    assert sd.path.is_absolute()
+    assert sd.path == tmp_path / "runs" / "rel" / "sft"
