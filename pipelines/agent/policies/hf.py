@@ -1,11 +1,8 @@
 """A local transformers policy (CPU or GPU) that keeps every episode as exact token ids.
 
-The context of an episode is a list of token ids: the prompt as the processor renders it (image
-pads expanded), then, turn after turn, the tokens the model sampled (mask 1) and the tokens the
-environment appended (mask 0): the ``<|im_end|>`` that closes a turn stopped at ``</code>``, and
-the ``<|im_start|>user ... <|im_end|>\\n<|im_start|>assistant\\n`` interpreter turn, rendered exactly
-as the Qwen2-VL chat template renders a user message. Training therefore sees the very tokens
-that were sampled, with the same boundaries SFT saw.
+The token context of an episode (prompt with image pads expanded, sampled tokens with mask 1,
+turn boundaries and interpreter turns with mask 0) is :class:`ChatTokens`' job (``tokens.py``),
+shared with the verl agent loop; this module only samples.
 
 Several episodes advance together: their contexts are left-padded into one batch, their images'
 pixel values (computed once per image and cached) are concatenated in order, and one ``generate``
@@ -14,23 +11,12 @@ call produces everyone's next turn.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 from pipelines.agent.policies.base import Generation, Sampling
+from pipelines.agent.policies.tokens import ChatTokens, TokenContext
 from pipelines.agent.protocol import CODE_STOP
 from pipelines.agent.trajectory import TokenTrace
-
-
-@dataclass
-class _Episode:
-    ids: list[int]
-    prompt_len: int
-    mask: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    images: list[Any] = field(default_factory=list)
-    pixel_values: list[Any] = field(default_factory=list)  # one tensor per image
-    grids: list[Any] = field(default_factory=list)         # one [1, 3] tensor per image
 
 
 class HFPolicy:
@@ -43,14 +29,15 @@ class HFPolicy:
         self.model = model
         self.processor = processor
         self.tokenizer = processor.tokenizer
+        self.tokens = ChatTokens(processor, image_min_pixels=image_min_pixels,
+                                 image_max_pixels=image_max_pixels,
+                                 image_token_id=getattr(model.config, "image_token_id", None))
         self.min_pixels = image_min_pixels
         self.max_pixels = image_max_pixels
-        tok = self.tokenizer
-        self.im_end = tok.convert_tokens_to_ids("<|im_end|>")
-        self.eos_ids = {self.im_end, tok.convert_tokens_to_ids("<|endoftext|>")}
-        self.image_token_id = getattr(model.config, "image_token_id", None) or \
-            tok.convert_tokens_to_ids("<|image_pad|>")
-        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else self.im_end
+        self.im_end = self.tokens.im_end
+        self.eos_ids = self.tokens.eos_ids
+        self.image_token_id = self.tokens.image_token_id
+        self.pad_id = self.tokens.pad_id
 
     @classmethod
     def from_pretrained(cls, path: str, *, device: str = "auto", dtype: str = "auto",
@@ -76,68 +63,29 @@ class HFPolicy:
         return cls(model, processor, image_min_pixels=image_min_pixels,
                    image_max_pixels=image_max_pixels)
 
-    # -- episode state -------------------------------------------------------------------------
+    # -- episode state (ChatTokens) --------------------------------------------------------------
 
-    def _encode(self, text: str, images: list[Any]) -> tuple[list[int], list[Any], list[Any]]:
-        kwargs: dict[str, Any] = {}
-        if images:
-            kwargs.update(images=images, min_pixels=self.min_pixels, max_pixels=self.max_pixels)
-        enc = self.processor(text=[text], return_tensors="pt", **kwargs)
-        ids = enc["input_ids"][0].tolist()
-        pixel_values, grids = [], []
-        if images:
-            offset = 0
-            for grid in enc["image_grid_thw"]:
-                n = int(grid.prod())
-                pixel_values.append(enc["pixel_values"][offset: offset + n])
-                grids.append(grid[None])
-                offset += n
-        return ids, pixel_values, grids
+    def begin(self, messages: list[dict]) -> TokenContext:
+        return self.tokens.begin(messages)
 
-    def begin(self, messages: list[dict]) -> _Episode:
-        images = [p["image"] for m in messages if isinstance(m["content"], list)
-                  for p in m["content"] if p.get("type") == "image"]
-        plain = [{"role": m["role"], "content": m["content"] if isinstance(m["content"], str) else
-                  [{"type": "image"} if p.get("type") == "image" else p for p in m["content"]]}
-                 for m in messages]
-        text = self.processor.apply_chat_template(plain, add_generation_prompt=True, tokenize=False)
-        ids, pix, grids = self._encode(text, images)
-        return _Episode(ids=ids, prompt_len=len(ids), images=list(images), pixel_values=pix,
-                        grids=grids)
+    def observe(self, handle: TokenContext, parts: list[dict], images: list[Any]) -> None:
+        self.tokens.observe(handle, parts, images)
 
-    def observe(self, handle: _Episode, parts: list[dict], images: list[Any]) -> None:
-        # Close the assistant turn as the chat template does: "<|im_end|>\n".
-        closing = "\n" if handle.ids and handle.ids[-1] == self.im_end else "<|im_end|>\n"
-        body = "".join(p["text"] if p.get("type") == "text"
-                       else "<|vision_start|><|image_pad|><|vision_end|>" for p in parts)
-        text = f"{closing}<|im_start|>user\n{body}<|im_end|>\n<|im_start|>assistant\n"
-        ids, pix, grids = self._encode(text, images)
-        handle.ids += ids
-        handle.mask += [0] * len(ids)
-        handle.images += images
-        handle.pixel_values += pix
-        handle.grids += grids
+    def context_tokens(self, handle: TokenContext) -> int:
+        return self.tokens.context_tokens(handle)
 
-    def context_tokens(self, handle: _Episode) -> int:
-        return len(handle.ids)
+    def token_counts(self, handle: TokenContext) -> dict[str, int]:
+        return self.tokens.token_counts(handle)
 
-    def token_counts(self, handle: _Episode) -> dict[str, int]:
-        generated = sum(handle.mask)
-        return {"prompt": handle.prompt_len, "generated": generated,
-                "observation": len(handle.mask) - generated,
-                "visual": sum(1 for t in handle.ids if t == self.image_token_id)}
+    def trace(self, handle: TokenContext) -> TokenTrace:
+        return self.tokens.trace(handle)
 
-    def trace(self, handle: _Episode) -> TokenTrace:
-        return TokenTrace(input_ids=list(handle.ids), prompt_len=handle.prompt_len,
-                          response_mask=list(handle.mask), logprobs=list(handle.logprobs),
-                          images=list(handle.images))
-
-    def end(self, handle: _Episode) -> None:
-        handle.pixel_values.clear()
+    def end(self, handle: TokenContext) -> None:
+        self.tokens.end(handle)
 
     # -- generation ----------------------------------------------------------------------------
 
-    def generate(self, handles: list[_Episode], sampling: Sampling) -> list[Generation]:
+    def generate(self, handles: list[TokenContext], sampling: Sampling) -> list[Generation]:
         import torch
 
         device = next(self.model.parameters()).device
@@ -167,28 +115,12 @@ class HFPolicy:
         results = []
         for i, h in enumerate(handles):
             row = new[i].tolist()
-            kept, finish, text = self._cut(row)
+            kept, finish, text = self.tokens.cut(row)
             if logits is not None and kept:
                 logp = torch.log_softmax(logits[i, : len(kept)], dim=-1)
                 lp = logp.gather(-1, torch.tensor(kept)[:, None]).squeeze(-1).tolist()
             else:
                 lp = [0.0] * len(kept)
-            h.ids += kept
-            h.mask += [1] * len(kept)
-            h.logprobs += lp
+            self.tokens.append_generated(h, kept, lp)
             results.append(Generation(text=text, finish=finish, n_tokens=len(kept)))
         return results
-
-    def _cut(self, row: list[int]) -> tuple[list[int], str, str]:
-        """Tokens this row really generated (up to eos or the token completing </code>)."""
-        kept: list[int] = []
-        for tok in row:
-            kept.append(tok)
-            if tok in self.eos_ids:
-                text = self.tokenizer.decode(kept[:-1], skip_special_tokens=False)
-                return kept, "eos", text
-            tail = self.tokenizer.decode(kept[-8:], skip_special_tokens=False)
-            if CODE_STOP in tail:
-                text = self.tokenizer.decode(kept, skip_special_tokens=False)
-                return kept, "code", text[: text.find(CODE_STOP) + len(CODE_STOP)]
-        return kept, "length", self.tokenizer.decode(kept, skip_special_tokens=False)

@@ -1,0 +1,144 @@
+"""Exact token contexts for Qwen2.5-VL episodes, shared by every token-level policy.
+
+The context of an episode is a list of token ids: the prompt as the processor renders it (image
+pads expanded), then, turn after turn, the tokens the model sampled (mask 1) and the tokens the
+environment appended (mask 0): the ``<|im_end|>`` that closes a turn stopped at ``</code>``, and
+the ``<|im_start|>user ... <|im_end|>\\n<|im_start|>assistant\\n`` interpreter turn, rendered exactly
+as the Qwen2-VL chat template renders a user message. Training therefore sees the very tokens
+that were sampled, with the same boundaries SFT saw.
+
+This is the boundary verl's Qwen continuous-token builder produces too (it inserts the ``\\n``
+after a sampled ``<|im_end|>`` with mask 0), except that verl's builder assumes every assistant
+turn ends with ``<|im_end|>``; a turn stopped at ``</code>`` does not, so the closing
+``<|im_end|>\\n`` is appended here, with mask 0, before the interpreter turn.
+
+:class:`ChatTokens` owns that logic; the transformers policy (``hf.py``) and the verl agent loop
+(``pipelines/rl/verl/agent_loop.py``) only differ in how they obtain the sampled tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipelines.agent.policies.base import Finish
+from pipelines.agent.protocol import CODE_STOP
+from pipelines.agent.trajectory import TokenTrace
+
+VISION_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+@dataclass
+class TokenContext:
+    """One episode's context, token for token."""
+
+    ids: list[int]
+    prompt_len: int
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)    # one per model token (mask 1)
+    images: list[Any] = field(default_factory=list)        # PIL, in context order
+    pixel_values: list[Any] = field(default_factory=list)  # one tensor per image (if kept)
+    grids: list[Any] = field(default_factory=list)         # one [1, 3] tensor per image
+
+
+class ChatTokens:
+    """Renders, extends and accounts for :class:`TokenContext` s with one processor."""
+
+    def __init__(self, processor: Any, *, image_min_pixels: int = 3136,
+                 image_max_pixels: int = 2_000_000, image_token_id: int | None = None,
+                 keep_pixels: bool = True) -> None:
+        self.processor = processor
+        self.tokenizer = processor.tokenizer
+        self.min_pixels = image_min_pixels
+        self.max_pixels = image_max_pixels
+        # A server-backed policy never feeds pixels itself; not keeping them saves memory.
+        self.keep_pixels = keep_pixels
+        tok = self.tokenizer
+        self.im_end = tok.convert_tokens_to_ids("<|im_end|>")
+        self.eos_ids = {self.im_end, tok.convert_tokens_to_ids("<|endoftext|>")}
+        self.image_token_id = image_token_id or getattr(processor, "image_token_id", None) or \
+            tok.convert_tokens_to_ids("<|image_pad|>")
+        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else self.im_end
+
+    @property
+    def processor_kwargs(self) -> dict[str, int]:
+        """The resize bounds every consumer of these ids must process images with."""
+        return {"min_pixels": self.min_pixels, "max_pixels": self.max_pixels}
+
+    def encode(self, text: str, images: list[Any]) -> tuple[list[int], list[Any], list[Any]]:
+        """Token ids of ``text`` with each image's pad run expanded; per-image pixels and grids."""
+        kwargs: dict[str, Any] = {}
+        if images:
+            kwargs.update(images=images, **self.processor_kwargs)
+        enc = self.processor(text=[text], return_tensors="pt", **kwargs)
+        ids = enc["input_ids"][0].tolist()
+        pixel_values, grids = [], []
+        if images:
+            offset = 0
+            for grid in enc["image_grid_thw"]:
+                n = int(grid.prod())
+                if self.keep_pixels:
+                    pixel_values.append(enc["pixel_values"][offset: offset + n])
+                grids.append(grid[None])
+                offset += n
+        return ids, pixel_values, grids
+
+    def begin(self, messages: list[dict]) -> TokenContext:
+        images = [p["image"] for m in messages if isinstance(m["content"], list)
+                  for p in m["content"] if p.get("type") == "image"]
+        plain = [{"role": m["role"], "content": m["content"] if isinstance(m["content"], str) else
+                  [{"type": "image"} if p.get("type") == "image" else p for p in m["content"]]}
+                 for m in messages]
+        text = self.processor.apply_chat_template(plain, add_generation_prompt=True, tokenize=False)
+        ids, pix, grids = self.encode(text, images)
+        return TokenContext(ids=ids, prompt_len=len(ids), images=list(images), pixel_values=pix,
+                            grids=grids)
+
+    def observe(self, ctx: TokenContext, parts: list[dict], images: list[Any]) -> None:
+        # Close the assistant turn as the chat template does: "<|im_end|>\n".
+        closing = "\n" if ctx.ids and ctx.ids[-1] == self.im_end else "<|im_end|>\n"
+        body = "".join(p["text"] if p.get("type") == "text" else VISION_PLACEHOLDER for p in parts)
+        text = f"{closing}<|im_start|>user\n{body}<|im_end|>\n<|im_start|>assistant\n"
+        ids, pix, grids = self.encode(text, images)
+        ctx.ids += ids
+        ctx.mask += [0] * len(ids)
+        ctx.images += images
+        ctx.pixel_values += pix
+        ctx.grids += grids
+
+    def append_generated(self, ctx: TokenContext, ids: list[int], logprobs: list[float]) -> None:
+        ctx.ids += ids
+        ctx.mask += [1] * len(ids)
+        ctx.logprobs += logprobs
+
+    def cut(self, row: list[int]) -> tuple[list[int], Finish, str]:
+        """Tokens a row really generated (up to eos or the token completing ``</code>``), why it
+        stopped, and its text (cut right after ``</code>``)."""
+        kept: list[int] = []
+        for tok in row:
+            kept.append(tok)
+            if tok in self.eos_ids:
+                text = self.tokenizer.decode(kept[:-1], skip_special_tokens=False)
+                return kept, "eos", text
+            tail = self.tokenizer.decode(kept[-8:], skip_special_tokens=False)
+            if CODE_STOP in tail:
+                text = self.tokenizer.decode(kept, skip_special_tokens=False)
+                return kept, "code", text[: text.find(CODE_STOP) + len(CODE_STOP)]
+        return kept, "length", self.tokenizer.decode(kept, skip_special_tokens=False)
+
+    def context_tokens(self, ctx: TokenContext) -> int:
+        return len(ctx.ids)
+
+    def token_counts(self, ctx: TokenContext) -> dict[str, int]:
+        generated = sum(ctx.mask)
+        return {"prompt": ctx.prompt_len, "generated": generated,
+                "observation": len(ctx.mask) - generated,
+                "visual": sum(1 for t in ctx.ids if t == self.image_token_id)}
+
+    def trace(self, ctx: TokenContext) -> TokenTrace:
+        return TokenTrace(input_ids=list(ctx.ids), prompt_len=ctx.prompt_len,
+                          response_mask=list(ctx.mask), logprobs=list(ctx.logprobs),
+                          images=list(ctx.images))
+
+    def end(self, ctx: TokenContext) -> None:
+        ctx.pixel_values.clear()
