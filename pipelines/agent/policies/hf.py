@@ -41,7 +41,7 @@ class HFPolicy:
 
     @classmethod
     def from_pretrained(cls, path: str, *, device: str = "auto", dtype: str = "auto",
-                        image_min_pixels: int = 3136, image_max_pixels: int = 2_000_000) -> "HFPolicy":
+                        image_min_pixels: int = 3136, image_max_pixels: int = 2_000_000) -> HFPolicy:
         import torch
         from transformers import AutoModelForImageTextToText, AutoProcessor
 
