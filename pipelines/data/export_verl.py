@@ -1,0 +1,195 @@
+"""Export task folders to verl's RL parquet (the rows ``verl.utils.dataset.rl_dataset.RLHFDataset``
+reads), with the prompt text of our versioned templates.
+
+Layout written to ``out``::
+
+    out/<name>.parquet          training rows
+    out/<name>_val.parquet      validation rows (only when validation sources are given)
+    out/<name>_frames/<i>/*.png context frames of the uniform video baseline (only when used)
+
+One row per task::
+
+    agent_name    "pyvision_agent" (the loop the launcher registers; see pipelines/rl/verl)
+    data_source   the task's data_source (the reward and judge pick few-shot examples by it)
+    prompt        [{"role": "user", "content": text}]: the first user turn built by
+                  pipelines.agent.prompts for the task, with one "<image>" per context image
+    images        [{"image": abs path, "min_pixels", "max_pixels"}]: the context images in
+                  placeholder order; verl resizes each with these bounds, the same Qwen rule the
+                  local engine applies (agent.image_min_pixels / image_max_pixels)
+    reward_model  {"style": "rule", "ground_truth": answer}
+    extra_info    {"index", "split", "task": Task JSON, "media_root": abs folder,
+                   "prompt_version": "image@v1"}
+
+There is no ``videos`` column: in the PyVision protocol a video never enters the model's context
+as a video. On-demand tasks (the paper) put no frames in the context at all (the video lives only
+in the sandbox, reached through ``extra_info``); the uniform baseline puts sampled frames in the
+context as images, which are written as PNG files here because verl's dataset reads files.
+
+Every row is validated: the read itself (schema, answer, media present; reported with file and
+line), then the prompt build (media that open) and the placeholder count. ``strict`` fails on the
+first bad row; otherwise it is skipped and counted. Files appear complete or not at all.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from pipelines.agent.prompts import build_initial_messages, variant_for
+from pipelines.config.agent import AgentConfig
+from pipelines.data.records import (
+    IMAGE_PLACEHOLDER,
+    VIDEO_PLACEHOLDER,
+    ReadReport,
+    Task,
+    read_tasks,
+)
+from pipelines.errors import DataError
+from pipelines.fsutil import atomic_dir
+
+AGENT_NAME = "pyvision_agent"
+
+
+def task_row(task: Task, root: Path, agent_cfg: AgentConfig, *, index: int, split: str,
+             frames_dir: Path | None = None, frames_final: Path | None = None) -> dict[str, Any]:
+    """The verl row of one task (raises DataError when its media cannot be used).
+
+    Context frames of the uniform video baseline are saved into ``frames_dir`` and referenced at
+    ``frames_final`` (where the folder will be once the export is complete).
+    """
+    variant = variant_for(task, agent_cfg)
+    messages, info, _runtime = build_initial_messages(task, root, variant, agent_cfg)
+    parts = messages[0]["content"]
+    text = "".join(p["text"] if p["type"] == "text" else IMAGE_PLACEHOLDER for p in parts)
+    n_context = sum(1 for p in parts if p["type"] == "image")
+    bounds = {"min_pixels": agent_cfg.image_min_pixels, "max_pixels": agent_cfg.image_max_pixels}
+    if variant == "image":
+        images = [{"image": str(p.resolve()), **bounds} for p in task.image_paths(root)]
+    elif n_context:
+        if frames_dir is None or frames_final is None:
+            raise DataError(f"task {task.id}: its prompt has context frames but no frames folder "
+                            "was given", hint="export through export_verl")
+        (frames_dir / str(index)).mkdir(parents=True, exist_ok=True)
+        images = []
+        for k, part in enumerate(p for p in parts if p["type"] == "image"):
+            part["image"].save(frames_dir / str(index) / f"{k}.png")
+            images.append({"image": str(frames_final / str(index) / f"{k}.png"), **bounds})
+    else:
+        images = []
+    # verl's dataset splits the text on these exact placeholders: a question that contains one
+    # would shift every image after it.
+    if text.count(IMAGE_PLACEHOLDER) != len(images) or VIDEO_PLACEHOLDER in text \
+            or "<audio>" in text:
+        raise DataError(f"task {task.id}: {text.count(IMAGE_PLACEHOLDER)} {IMAGE_PLACEHOLDER} "
+                        f"placeholders in the prompt but {len(images)} context images",
+                        hint="remove literal <image>/<video>/<audio> from the question text")
+    return {
+        "agent_name": AGENT_NAME,
+        "data_source": task.data_source,
+        "prompt": [{"role": "user", "content": text}],
+        "images": images,
+        "reward_model": {"style": "rule", "ground_truth": task.answer},
+        "extra_info": {"index": index, "split": split, "task": task.model_dump_json(),
+                       "media_root": str(root.resolve()), "prompt_version": info.version},
+    }
+
+
+def _schema() -> Any:
+    import pyarrow as pa
+
+    # Explicit, so a file whose rows all lack context images still has a typed `images` column.
+    return pa.schema([
+        ("agent_name", pa.string()),
+        ("data_source", pa.string()),
+        ("prompt", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+        ("images", pa.list_(pa.struct([("image", pa.string()), ("min_pixels", pa.int64()),
+                                       ("max_pixels", pa.int64())]))),
+        ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
+        ("extra_info", pa.struct([("index", pa.int64()), ("split", pa.string()),
+                                  ("task", pa.string()), ("media_root", pa.string()),
+                                  ("prompt_version", pa.string())])),
+    ])
+
+
+def _write_parquet(rows: list[dict[str, Any]], path: Path) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.Table.from_pylist(rows, schema=_schema())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        pq.write_table(table, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _rows(sources: Iterable[str | Path], agent_cfg: AgentConfig, *, split: str, strict: bool,
+          frames_dir: Path, frames_final: Path, counts: Counter,
+          reports: list[ReadReport]) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for src in sources:
+        tasks, report = read_tasks(src, strict=strict)
+        reports.append(report)
+        root = Path(report.path).parent
+        for task in tasks:
+            try:
+                row = task_row(task, root, agent_cfg, index=len(rows), split=split,
+                               frames_dir=frames_dir, frames_final=frames_final)
+            except DataError as exc:
+                where = f"{report.path}: row '{task.id}'"
+                if strict:
+                    raise DataError(f"{where}: {exc.message}", hint=exc.hint) from None
+                reason = "placeholder_mismatch" if "placeholders" in exc.message else "bad_media"
+                report.skip(reason, where, exc.message)
+                report.kept -= 1
+                continue
+            counts[row["extra_info"]["prompt_version"]] += 1
+            rows.append(row)
+    return rows
+
+
+def export_verl(sources: Sequence[str | Path], out: str | Path, *, name: str = "pyvision_rl",
+                agent_cfg: AgentConfig | None = None, val_sources: Sequence[str | Path] = (),
+                strict: bool = False) -> dict[str, Any]:
+    """Write ``out/<name>.parquet`` (and ``out/<name>_val.parquet`` when ``val_sources``).
+
+    ``sources`` are task folders (or ``tasks.jsonl`` files). Returns the paths, row counts, rows
+    skipped by reason and the first problems (file and line or row id).
+    """
+    agent_cfg = agent_cfg or AgentConfig()
+    out = Path(out).resolve()
+    if not sources:
+        raise DataError("no task folders to export", hint="pass --source DIR (a tasks.jsonl folder)")
+    frames_final = out / f"{name}_frames"
+    counts: Counter = Counter()
+    reports: list[ReadReport] = []
+    with atomic_dir(frames_final, overwrite=True) as frames_tmp:
+        train = _rows(sources, agent_cfg, split="train", strict=strict, frames_dir=frames_tmp,
+                      frames_final=frames_final, counts=counts, reports=reports)
+        val = _rows(val_sources, agent_cfg, split="val", strict=strict, frames_dir=frames_tmp / "val",
+                    frames_final=frames_final / "val", counts=counts, reports=reports)
+        if not train:
+            problems = [p for r in reports for p in r.problems][:3]
+            raise DataError(f"no usable task in {', '.join(str(s) for s in sources)}"
+                            + (f" ({'; '.join(problems)})" if problems else ""),
+                            hint="check the folders with `pyvision data validate DIR`")
+        train_path = _write_parquet(train, out / f"{name}.parquet")
+        val_path = _write_parquet(val, out / f"{name}_val.parquet") if val else None
+    if not any(frames_final.iterdir()):
+        frames_final.rmdir()
+    skipped: Counter = Counter()
+    for r in reports:
+        skipped.update(r.skipped)
+    return {"train": str(train_path), "val": str(val_path) if val_path else None,
+            "rows": len(train), "val_rows": len(val), "prompts": dict(counts),
+            "read": sum(r.read for r in reports), "skipped": dict(skipped),
+            "problems": [p for r in reports for p in r.problems][:20]}
