@@ -1,0 +1,353 @@
+"""PyVision's agent loop inside verl 0.9.1: the one loop of ``pipelines.agent.loop``, sampled by verl.
+
+verl instantiates :class:`PyVisionAgentLoop` once per trajectory from the agent-loop YAML that
+``pyvision rl --engine verl`` writes::
+
+    - name: pyvision_agent
+      _target_: pipelines.rl.verl.agent_loop.PyVisionAgentLoop
+      recipe: /abs/path/runs/<run-id>/rl/config.yaml
+
+(``hydra.utils.instantiate`` passes ``name`` and ``recipe`` as keyword arguments next to verl's
+own: trainer config, ``server_manager``, tokenizer, processor, ...). ``run()`` rebuilds the
+:class:`~pipelines.data.records.Task` from the row's ``extra_info.task`` and resolves its media
+against ``extra_info.media_root``; it never uses images verl may have loaded, so the prompt, the
+sandbox's runtime media and the limits are exactly those of the local engine and of evaluation.
+
+How the loop runs: ``run_episodes`` is a synchronous generator (the same code path for local RL
+and evaluation), so it runs in a worker thread (``run_in_executor``). Its policy,
+:class:`ServerPolicy`, keeps the context as exact token ids with :class:`ChatTokens` (the same
+boundaries as the transformers policy) and, for each turn, submits
+``server_manager.generate(...)`` to verl's event loop with ``asyncio.run_coroutine_threadsafe``
+and waits for it. verl's event loop is never blocked: sandbox calls, processor calls and the loop
+itself run in the thread; only the generation request runs on the event loop. One trajectory per
+``run()`` (verl already repeats each row ``rollout.n`` times), so the loop runs with one episode.
+The alternative, an async rewrite of the loop, would be a second loop to keep in step with the
+first; the thread costs one mostly-idle thread per live trajectory.
+
+Per turn: generation stops at ``</code>`` (``stop=["</code>"]``, ``include_stop_str_in_output``),
+the sandbox runs the code, the interpreter turn (text and images) is appended with mask 0 after
+the ``<|im_end|>`` that closes the assistant turn (verl's Qwen token builder expects assistant
+turns to end with ``<|im_end|>``; a turn stopped at ``</code>`` does not, so it is added here, mask
+0), and the model's tokens carry mask 1. The prompt and every interpreter turn are rendered by the
+processor with each image's pad run expanded, and ``multi_modal_data["images"]`` holds exactly
+the images of those runs, in order; the full list goes to the server on every turn under one
+request id. Images are resized for the context by our agent settings and every consumer (our
+processor call, the server, verl's post-processing) gets the same ``min_pixels``/``max_pixels``.
+
+Limits: ``agent.max_turns_train`` (verl does not tell a loop whether it is validating, so
+validation uses the training limit too), ``agent.max_images``, ``agent.max_context_tokens``, and a
+response budget of ``min(rl.max_response_tokens, rollout.response_length)``. The policy folds the
+response budget into the context count it reports, so the loop's one context check stops the
+trajectory (``context_overflow``) when either budget is spent; a final interpreter turn that
+overshoots is cut at the budget, never inside an image's pad run, and images whose runs were cut
+are dropped with them. Sampled vision special tokens (which a random or broken model can emit)
+end the turn before them, since a pad run without an image would break the server and training.
+
+``extra_fields`` carry what the reward and the ranking need: ``tool_calls``,
+``successful_calls``, ``failed_calls``, ``num_turns`` (assistant turns), ``stop_reason``,
+``final_answer``, ``answer_chars``, ``produced_image``, ``well_formed`` and a few diagnostics.
+verl's naive reward manager merges them into ``extra_info``, then overwrites ``num_turns`` there
+with ``AgentLoopOutput.num_turns``, which counts messages (prompt, assistant and interpreter
+turns) as verl's own loops do; ``assistant_turns`` keeps our count under a name it leaves alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+from uuid import uuid4
+
+from pydantic import ValidationError
+from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutput
+from verl.utils.rollout_trace import rollout_trace_op
+
+from pipelines.agent.loop import run_episodes
+from pipelines.agent.policies.base import Generation, Sampling
+from pipelines.agent.policies.tokens import ChatTokens, TokenContext
+from pipelines.agent.protocol import CODE_STOP
+from pipelines.agent.trajectory import Trajectory
+from pipelines.config.recipe import Recipe, load_recipe
+from pipelines.data.records import Task
+from pipelines.errors import DataError, UserError
+
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>",
+                 "<|video_pad|>")
+# Trajectories block a thread each while they wait for the server; verl runs a few hundred per
+# worker at most, and an idle thread costs little.
+EPISODE_THREADS = int(os.environ.get("PYVISION_VERL_EPISODE_THREADS", "512"))
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _episode_pool() -> ThreadPoolExecutor:
+    # Not the event loop's default executor: verl's own run_in_executor calls (token builder,
+    # reward) must not queue behind trajectories that wait for generations.
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=EPISODE_THREADS,
+                                       thread_name_prefix="pyvision-episode")
+        return _pool
+
+
+def _load(recipe: str | None) -> Recipe:
+    # verl builds one loop object per trajectory: parse the recipe once per file version.
+    if recipe is None:
+        return _load_version(None, 0, 0)
+    try:
+        st = os.stat(recipe)
+    except OSError:
+        raise UserError(f"recipe of the PyVision agent loop not found: {recipe}",
+                        hint="point `recipe:` in the agent-loop YAML at the run's rl/config.yaml"
+                        ) from None
+    return _load_version(recipe, st.st_mtime_ns, st.st_size)
+
+
+@lru_cache(maxsize=8)
+def _load_version(recipe: str | None, mtime_ns: int, size: int) -> Recipe:
+    return load_recipe(recipe)
+
+
+class ServerPolicy:
+    """A policy whose model is verl's ``server_manager``; one instance per trajectory."""
+
+    name = "verl"
+
+    def __init__(self, tokens: ChatTokens, server_manager: Any, loop: asyncio.AbstractEventLoop,
+                 *, request_id: str, sampling_params: dict[str, Any], response_budget: int,
+                 max_context_tokens: int, prompt_limit: int, task_id: str = "?",
+                 priority: int = 0) -> None:
+        self.tokens = tokens
+        self.server_manager = server_manager
+        self.loop = loop
+        self.request_id = request_id
+        self.sampling_params = dict(sampling_params)
+        self.response_budget = response_budget
+        self.max_context_tokens = max_context_tokens
+        self.prompt_limit = prompt_limit
+        self.task_id = task_id
+        self.priority = priority
+        self.vision_ids = {i for i in tokens.tokenizer.convert_tokens_to_ids(list(VISION_TOKENS))
+                           if i is not None and i != tokens.tokenizer.unk_token_id}
+        self.slack = 0
+        # Log-probs were asked for and every turn came with them (verl batches all-or-none).
+        self.has_logprobs = bool(self.sampling_params.get("logprobs"))
+        self.generate_s = 0.0
+        self.num_preempted: int | None = None
+        self.server_fields: dict[str, Any] = {}
+
+    def begin(self, messages: list[dict]) -> TokenContext:
+        ctx = self.tokens.begin(messages)
+        if ctx.prompt_len > self.prompt_limit:
+            # verl pads prompts to rollout.prompt_length and cannot cut a multimodal prompt.
+            raise DataError(f"task {self.task_id}: the prompt has {ctx.prompt_len} tokens, more "
+                            f"than rollout.prompt_length={self.prompt_limit}",
+                            hint="raise rl.max_prompt_tokens or drop over-long tasks from the data")
+        # Context reported to the loop = real context + slack, so that reaching
+        # agent.max_context_tokens there means: either the real context or the response is full.
+        self.slack = max(0, self.max_context_tokens - (ctx.prompt_len + self.response_budget))
+        return ctx
+
+    def observe(self, handle: TokenContext, parts: list[dict], images: list[Any]) -> None:
+        self.tokens.observe(handle, parts, images)
+
+    def context_tokens(self, handle: TokenContext) -> int:
+        return len(handle.ids) + self.slack
+
+    def token_counts(self, handle: TokenContext) -> dict[str, int]:
+        return self.tokens.token_counts(handle)
+
+    def trace(self, handle: TokenContext) -> Any:
+        return self.tokens.trace(handle)
+
+    def end(self, handle: TokenContext) -> None:
+        self.tokens.end(handle)
+
+    def generate(self, handles: list[TokenContext], sampling: Sampling) -> list[Generation]:
+        # Called from the episode thread; the request itself runs on verl's event loop.
+        return [asyncio.run_coroutine_threadsafe(self._generate(h, sampling), self.loop).result()
+                for h in handles]
+
+    async def _generate(self, ctx: TokenContext, sampling: Sampling) -> Generation:
+        # verl decides how to sample (rollout temperature, greedy validation); the loop decides
+        # how many tokens this turn may use.
+        params = {**self.sampling_params, "max_tokens": sampling.max_new_tokens,
+                  "stop": [CODE_STOP], "include_stop_str_in_output": True}
+        t0 = self.loop.time()
+        out = await self.server_manager.generate(
+            request_id=self.request_id, prompt_ids=list(ctx.ids), sampling_params=params,
+            image_data=list(ctx.images) or None, video_data=None,
+            mm_processor_kwargs=self.tokens.processor_kwargs if ctx.images else None,
+            priority=self.priority)
+        self.generate_s += self.loop.time() - t0
+        self._record(out)
+        row = list(out.token_ids)
+        logprobs = list(out.log_probs) if out.log_probs else None
+        if row and logprobs is None:
+            self.has_logprobs = False
+        bad = next((i for i, t in enumerate(row) if t in self.vision_ids), None)
+        if bad is not None:
+            row = row[:bad]
+        kept, finish, text = self.tokens.cut(row)
+        if bad is not None and len(kept) == len(row):
+            finish = "length"
+        lp = logprobs[: len(kept)] if logprobs is not None else [0.0] * len(kept)
+        self.tokens.append_generated(ctx, kept, lp)
+        return Generation(text=text, finish=finish, n_tokens=len(kept))
+
+    def _record(self, out: Any) -> None:
+        if out.num_preempted is not None:
+            self.num_preempted = (self.num_preempted or 0) + int(out.num_preempted)
+        fields = dict(out.extra_fields or {})
+        if not self.server_fields:
+            self.server_fields = fields
+        elif fields.get("max_global_steps") is not None:
+            # The weights may change between turns (partial rollouts): keep the newest version.
+            self.server_fields["max_global_steps"] = fields["max_global_steps"]
+
+
+def fit_response(prompt_ids: list[int], response_ids: list[int], mask: list[int],
+                 logprobs: list[float] | None, images: list[Any], budget: int,
+                 vision_start: int, vision_end: int, image_pad: int
+                 ) -> tuple[list[int], list[int], list[float] | None, list[Any]]:
+    """Cut a response to ``budget`` tokens without splitting an image's span, and keep the
+    images whose pad runs remain (image i is the i-th pad run of prompt + response)."""
+    if len(response_ids) <= budget:
+        return response_ids, mask, logprobs, images
+    cut = budget
+    start = next((i for i in range(cut - 1, -1, -1) if response_ids[i] == vision_start), None)
+    if start is not None:
+        end = next((i for i in range(start, len(response_ids)) if response_ids[i] == vision_end),
+                   len(response_ids))
+        if end >= cut:
+            cut = start
+    kept = response_ids[:cut]
+    n_images = _pad_runs(prompt_ids + kept, image_pad)
+    return kept, mask[:cut], (logprobs[:cut] if logprobs is not None else None), images[:n_images]
+
+
+def _pad_runs(ids: list[int], pad: int) -> int:
+    return sum(1 for i, t in enumerate(ids) if t == pad and (i == 0 or ids[i - 1] != pad))
+
+
+class PyVisionAgentLoop(AgentLoopBase):
+    """verl's agent-loop interface around :func:`pipelines.agent.loop.run_episodes`."""
+
+    def __init__(self, *args: Any, recipe: str | None = None, **kwargs: Any) -> None:
+        # ``name`` (from the YAML entry) and ``tools`` (verl's tool list) arrive in kwargs; the
+        # sandbox is our only tool, so both are ignored.
+        kwargs.pop("name", None)
+        kwargs.pop("tools", None)
+        super().__init__(*args, **kwargs)
+        self.recipe = _load(str(recipe) if recipe is not None else None)
+        if self.processor is None or getattr(self.processor, "image_processor", None) is None:
+            raise UserError("the PyVision agent loop needs a vision-language model with a "
+                            "processor, but verl loaded none",
+                            hint="set actor_rollout_ref.model.path to a Qwen2.5-VL checkpoint")
+        self.response_length = int(self.rollout_config.response_length)
+        self.prompt_length = int(self.rollout_config.prompt_length)
+
+    @rollout_trace_op
+    async def run(self, sampling_params: dict[str, Any], priority: int = 0,
+                  **kwargs: Any) -> AgentLoopOutput:
+        priority = int(priority)
+        task, root = self._task(kwargs)
+        agent = self.recipe.agent
+        budget = min(self.recipe.rl.max_response_tokens, self.response_length)
+        tokens = ChatTokens(self.processor, image_min_pixels=agent.image_min_pixels,
+                            image_max_pixels=agent.image_max_pixels, keep_pixels=False)
+        full_determinism = bool(self.rollout_config.get("full_determinism", False))
+        policy = ServerPolicy(
+            tokens, self.server_manager, asyncio.get_running_loop(),
+            request_id=f"det-{priority}" if full_determinism else uuid4().hex,
+            sampling_params=sampling_params, response_budget=budget,
+            max_context_tokens=agent.max_context_tokens, prompt_limit=self.prompt_length,
+            task_id=task.id, priority=priority)
+        sampling = Sampling(agent.max_new_tokens_per_turn,
+                            float(sampling_params.get("temperature", agent.temperature)),
+                            float(sampling_params.get("top_p", agent.top_p)))
+        traj = await asyncio.get_running_loop().run_in_executor(
+            _episode_pool(), self._episode, task, root, policy, sampling)
+        return self._output(traj, policy, tokens, budget)
+
+    def _task(self, kwargs: dict[str, Any]) -> tuple[Task, Path]:
+        extra = kwargs.get("extra_info") or {}
+        raw, root = extra.get("task"), extra.get("media_root")
+        where = f"verl row index {extra.get('index', kwargs.get('index', '?'))}"
+        if not raw:
+            raise DataError(f"{where} has no extra_info.task",
+                            hint="export the RL data with `pyvision data export --format verl`")
+        try:
+            task = Task.model_validate_json(raw)
+        except ValidationError as exc:
+            raise DataError(f"{where}: extra_info.task is not a valid task "
+                            f"({exc.errors()[0]['msg']})",
+                            hint="re-export the RL data with this version of pyvision") from None
+        if not root and (task.images or task.video) and not all(
+                Path(p).is_absolute() for p in [*task.images, *([task.video] if task.video else [])]):
+            raise DataError(f"{where}: task {task.id} has relative media paths but no "
+                            "extra_info.media_root", hint="re-export the RL data")
+        return task, Path(root or ".")
+
+    def _episode(self, task: Task, root: Path, policy: ServerPolicy,
+                 sampling: Sampling) -> Trajectory:
+        (traj,) = run_episodes([(task, root)], policy, self.recipe.agent, self.recipe.sandbox,
+                               mode="train", batch_size=1, sampling=sampling)
+        return traj
+
+    def _output(self, traj: Trajectory, policy: ServerPolicy, tokens: ChatTokens,
+                budget: int) -> AgentLoopOutput:
+        trace = traj.trace
+        assert trace is not None  # ChatTokens always keeps the trace
+        prompt_ids = trace.input_ids[: trace.prompt_len]
+        response_ids = trace.input_ids[trace.prompt_len:]
+        logprobs = _aligned_logprobs(trace.response_mask, trace.logprobs) \
+            if policy.has_logprobs else None
+        vision_start, vision_end = tokens.tokenizer.convert_tokens_to_ids(
+            ["<|vision_start|>", "<|vision_end|>"])
+        response_ids, mask, logprobs, images = fit_response(
+            prompt_ids, response_ids, trace.response_mask, logprobs, trace.images, budget,
+            vision_start, vision_end, tokens.image_token_id)
+        observations = sum(1 for t in traj.turns if t.observation is not None)
+        metrics: dict[str, Any] = {"generate_sequences": policy.generate_s,
+                                   "tool_calls": traj.tool_s}
+        if policy.num_preempted is not None:
+            metrics["num_preempted"] = policy.num_preempted
+        extra = {k: v for k, v in policy.server_fields.items()
+                 if k in ("global_steps", "min_global_steps", "max_global_steps")}
+        extra.update({
+            "tool_calls": traj.tool_calls,
+            "successful_calls": traj.successful_calls,
+            "failed_calls": traj.failed_calls,
+            "num_turns": traj.num_turns,
+            "assistant_turns": traj.num_turns,
+            "stop_reason": traj.stop_reason or "",
+            "final_answer": traj.final_answer or "",
+            "answer_chars": traj.answer_chars,
+            "produced_image": traj.produced_image,
+            "well_formed": traj.stop_reason == "answered",
+            "context_images": len(images),
+            "visual_tokens": traj.visual_tokens,
+            "response_truncated": len(response_ids) < len(trace.response_mask),
+            "prompt_version": traj.prompt_version,
+            "turn_scores": [],
+            "tool_rewards": [],
+        })
+        return AgentLoopOutput(
+            prompt_ids=prompt_ids, response_ids=response_ids, response_mask=mask,
+            response_logprobs=logprobs,
+            multi_modal_data={"images": images} if images else {},
+            mm_processor_kwargs=tokens.processor_kwargs if images else None,
+            num_turns=1 + traj.num_turns + observations, metrics=metrics, extra_fields=extra)
+
+
+def _aligned_logprobs(mask: list[int], model_logprobs: list[float]) -> list[float]:
+    """verl wants one log-prob per response token (0 on environment tokens)."""
+    it = iter(model_logprobs)
+    return [next(it) if m else 0.0 for m in mask]
