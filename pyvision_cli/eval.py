@@ -24,10 +24,11 @@ def evaluate(
     limit: Annotated[Optional[int], typer.Option(help="First N samples of each benchmark.", min=1)] = None,
     engine: Annotated[Optional[str], typer.Option(help="hf | openai | vllm [default: eval.engine].")] = None,
     max_turns: Annotated[Optional[int], typer.Option(help="Most assistant turns [default: agent.max_turns_eval].", min=1)] = None,
-    data_dir: Annotated[Optional[Path], typer.Option(help="Local copy of the benchmark(s) in the published layout.")] = None,
+    data_dir: Annotated[Optional[Path], typer.Option(help="Local copy of the benchmark in the published layout, or a folder holding one such copy per benchmark (vstar/, hrbench/, mathverse/, vsibench/ ...).")] = None,
     served_model: Annotated[Optional[str], typer.Option(help="Model name sent to a server URL.")] = None,
     model_tag: Annotated[Optional[str], typer.Option(help="Name of this model in the store and report [default: the model path].")] = None,
     harness: Annotated[str, typer.Option(help="pyvision (our loop) | lmms-eval (run lmms-eval with our plugin).")] = "pyvision",
+    include_path: Annotated[Optional[Path], typer.Option(help="Folder of extra lmms-eval task YAMLs (--harness lmms-eval).")] = None,
     config: ConfigOpt = None,
     set_: SetOpt = None,
     run_id: RunIdOpt = None,
@@ -42,34 +43,40 @@ def evaluate(
     if model is None:
         raise UserError("--model is required", hint="e.g. pyvision eval --model runs/demo/rl/model "
                         "--benchmarks synth-image --data-dir runs/demo/data/synth/image-search/heldout")
+    if engine is not None and engine not in ("hf", "openai", "vllm"):
+        raise UserError(f"unknown --engine '{engine}'", hint="use hf, openai or vllm")
+    if harness not in ("pyvision", "lmms-eval"):
+        raise UserError(f"unknown --harness '{harness}'", hint="use pyvision or lmms-eval")
     overrides = list(set_ or [])
     if max_turns is not None:
         overrides.append(f"agent.max_turns_eval={max_turns}")
     recipe = load_recipe(config, overrides)
-    names = [b.strip() for b in benchmarks.split(",")] if benchmarks else list(recipe.eval.benchmarks)
+    names = [b.strip() for b in benchmarks.split(",") if b.strip()] if benchmarks \
+        else list(recipe.eval.benchmarks)
     from pipelines.store import Store
 
     st = Store(store)
     rid = run_id or f"eval-{recipe.name}"
     tag = model_tag or model
-    st.upsert_run(rid, recipe.name, recipe_path=str(config) if config else None,
-                  config=recipe.model_dump(mode="json"))
+    # The run is registered only once its inputs have been checked: a bad input writes nothing.
+    register = {"name": recipe.name, "recipe_path": str(config) if config else None,
+                "config": recipe.model_dump(mode="json")}
     if harness == "lmms-eval":
         from pipelines.eval.lmms import run_lmms_eval
 
         results = run_lmms_eval(model, names, run_id=rid, model_tag=tag, store=st, limit=limit,
-                                recipe=recipe)
-    elif harness == "pyvision":
-        from pipelines.eval.runner import run_eval
+                                recipe=recipe, include_path=include_path, engine=engine,
+                                served_model=served_model, register_run=register)
+    else:
+        from pipelines.eval.runner import resolve_data_dir, run_eval
 
-        dirs = {n: data_dir for n in names} if data_dir else None
+        dirs = {n: resolve_data_dir(data_dir, n) for n in names} if data_dir else None
         is_url = model.startswith(("http://", "https://"))
         results = run_eval(recipe, model=model, model_tag=tag, benchmarks=names, run_id=rid,
                            store=st, data_dirs=dirs, limit=limit,
                            engine=engine or ("openai" if is_url else recipe.eval.engine),
-                           base_url=model if is_url else None, served_model=served_model)
-    else:
-        raise UserError(f"unknown --harness '{harness}'", hint="use pyvision or lmms-eval")
+                           base_url=model if is_url else None, served_model=served_model,
+                           register_run=register)
     if json_out:
         print_json({"run_id": rid, "model": tag, "results": results})
 

@@ -7,26 +7,120 @@ benchmarks; on-demand video context for video ones, or uniform frames with
 ``agent.video_context: uniform``), store each trajectory with its per-sample scores as soon as it
 finishes, and finally store the aggregate under the metric names lmms-eval uses, with the
 benchmark version, prompt version and scorer.
+
+Everything a user can get wrong (a missing data file, an undecodable image or video, a model
+folder that does not load, a server that does not answer) is checked for every benchmark before
+the first write, so such a run fails with one line and leaves the store as it was. A failure
+after that point (an image that is truncated past its header, a server that dies mid-run) keeps
+the samples already stored, each complete in its own transaction, and a re-run resumes from them.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from pipelines.config.recipe import Recipe
 from pipelines.console import err
+from pipelines.data.records import Task
+from pipelines.errors import DataError, EndpointError
 from pipelines.store import EvalRecord, Store
+
+if TYPE_CHECKING:
+    from benchmarks.base import Benchmark
+
+
+@dataclass
+class _Plan:
+    name: str
+    bench: Benchmark
+    tasks: list[Task]
+    done: set[str]
+
+    @property
+    def pending(self) -> list[Task]:
+        return [t for t in self.tasks if t.id not in self.done]
+
+
+def resolve_data_dir(root: str | Path, name: str) -> Path:
+    """The copy of benchmark ``name`` under ``root``.
+
+    ``root/<name>`` or ``root/<download name>`` when that folder exists (one folder holding every
+    benchmark, as ``pyvision data download NAME`` lays them out under ``data/``), else ``root``
+    itself (a folder holding a single benchmark).
+    """
+    from benchmarks import benchmark_class
+
+    root = Path(root).expanduser()
+    cls = benchmark_class(name)
+    for sub in (name, cls.download_name or name):
+        if (root / sub).is_dir():
+            return root / sub
+    return root
+
+
+def check_media(name: str, tasks: list[Task]) -> None:
+    """Every image and video of ``tasks`` opens (headers only; each file once), else DataError."""
+    from PIL import Image
+
+    from pipelines.agent.prompts import video_info
+
+    seen: set[Path] = set()
+    for task in tasks:
+        for path in task.image_paths(Path("/")):
+            if path in seen:
+                continue
+            seen.add(path)
+            try:
+                with Image.open(path) as img:
+                    img.verify()
+            except (OSError, SyntaxError, ValueError) as exc:
+                raise DataError(f"{name} sample {task.id}: image {path} cannot be read "
+                                f"({type(exc).__name__}: {exc})",
+                                hint="download the benchmark again or fix that file") from None
+        video = task.video_path(Path("/"))
+        if video is not None and video not in seen:
+            seen.add(video)
+            if not video.is_file():
+                raise DataError(f"{name} sample {task.id}: video {video} not found",
+                                hint="copy the benchmark's videos next to its data")
+            try:
+                video_info(video)
+            except DataError as exc:
+                raise DataError(f"{name} sample {task.id}: {exc.message}", hint=exc.hint) from None
+
+
+def check_endpoint(url: str, timeout_s: float = 10.0) -> None:
+    """Any HTTP answer from ``url`` counts as reachable; no answer at all is an EndpointError."""
+    import httpx
+
+    base = url.rstrip("/")
+    if not base.endswith("/v1"):
+        base += "/v1"
+    try:
+        httpx.get(f"{base}/models", timeout=timeout_s)
+    except (httpx.HTTPError, httpx.InvalidURL) as exc:
+        raise EndpointError(f"model server {url} does not answer ({type(exc).__name__}: "
+                            f"{str(exc)[:160]})",
+                            hint="start it (e.g. `vllm serve MODEL --port 8000`) and pass its URL "
+                                 "to --model, or pass a local model folder") from None
 
 
 def run_eval(recipe: Recipe, *, model: str, model_tag: str, benchmarks: list[str], run_id: str,
-             store: Store, data_dirs: dict[str, str | Path] | None = None,
+             store: Store, data_dirs: Mapping[str, str | Path] | None = None,
              limit: int | None = None, engine: str | None = None, base_url: str | None = None,
              served_model: str | None = None, policy: Any = None,
              show_progress: bool = True,
-             on_sample: Callable[[str, EvalRecord], None] | None = None) -> dict[str, dict[str, float]]:
-    """Evaluate ``model`` (tagged ``model_tag`` in the store) on ``benchmarks``; return aggregates."""
+             on_sample: Callable[[str, EvalRecord], None] | None = None,
+             register_run: Mapping[str, Any] | None = None) -> dict[str, dict[str, float]]:
+    """Evaluate ``model`` (tagged ``model_tag`` in the store) on ``benchmarks``; return aggregates.
+
+    ``register_run`` (``name``, ``recipe_path``, ``config``) upserts the run in the store once
+    every input has been checked, so a run that fails its checks writes nothing.
+    """
     from benchmarks import get_benchmark
     from pipelines.agent.loop import run_episodes
     from pipelines.agent.policies import make_policy
@@ -34,39 +128,53 @@ def run_eval(recipe: Recipe, *, model: str, model_tag: str, benchmarks: list[str
     cfg = recipe.eval
     engine = engine or cfg.engine
     limit = limit if limit is not None else cfg.limit
-    results: dict[str, dict[str, float]] = {}
-    for name in benchmarks:
+    plans: list[_Plan] = []
+    for name in dict.fromkeys(benchmarks):  # a name given twice runs once
         bench = get_benchmark(name)
         data_dir = (data_dirs or {}).get(name) or cfg.data_dir
         tasks = bench.load(data_dir=data_dir, limit=limit)
-        by_id = {t.id: t for t in tasks}
-        done = store.eval_sample_ids(run_id, model_tag, name)
-        pending = [t for t in tasks if t.id not in done]
-        if pending and policy is None:
-            target = base_url if engine == "openai" and base_url else model
-            policy = make_policy(target, engine=engine, served_model=served_model,
-                                 agent_cfg=recipe.agent, device=recipe.model.device,
-                                 dtype=recipe.model.dtype, concurrency=cfg.concurrency)
-        batch = cfg.concurrency if engine == "openai" else cfg.batch_size
+        plan = _Plan(name, bench, tasks, store.eval_sample_ids(run_id, model_tag, name))
+        check_media(name, plan.pending)
+        plans.append(plan)
+    if policy is None and any(p.pending for p in plans):
+        target = base_url if engine == "openai" and base_url else model
+        if engine == "openai":
+            check_endpoint(target)
+        policy = make_policy(target, engine=engine, served_model=served_model,
+                             agent_cfg=recipe.agent, device=recipe.model.device,
+                             dtype=recipe.model.dtype, concurrency=cfg.concurrency)
+    if register_run is not None:
+        store.upsert_run(run_id, **register_run)
+
+    batch = cfg.concurrency if engine == "openai" else cfg.batch_size
+    results: dict[str, dict[str, float]] = {}
+    for plan in plans:
+        name, bench, pending = plan.name, plan.bench, plan.pending
+        by_id = {t.id: t for t in plan.tasks}
         start = time.monotonic()
-        progress = _Progress(show_progress, f"eval {model_tag} on {name}", len(tasks), len(done))
-        for traj in run_episodes([(t, Path("/")) for t in pending], policy, recipe.agent,
-                                 recipe.sandbox, mode="eval", batch_size=batch):
-            task = by_id[traj.task_id]
-            scores = bench.score(task, traj.final_answer)
-            rec = EvalRecord(
-                run_id=run_id, model=model_tag, benchmark=name, sample_id=task.id,
-                benchmark_version=bench.version, prompt_version=traj.prompt_version,
-                prompt_hash=traj.prompt_hash, scorer=bench.reference, prediction=traj.final_answer,
-                stop_reason=traj.stop_reason, turns=traj.num_turns, tool_calls=traj.tool_calls,
-                failed_calls=traj.failed_calls, visual_tokens=traj.visual_tokens,
-                total_tokens=traj.prompt_tokens + traj.generated_tokens + traj.observation_tokens,
-                duration_s=traj.total_s, trajectory=traj.to_json(), scores=scores)
-            store.add_eval_record(rec)
-            if on_sample is not None:
-                on_sample(name, rec)
-            progress.advance()
-        progress.close()
+        progress = _Progress(show_progress, f"eval {model_tag} on {name}", len(plan.tasks),
+                             len(plan.tasks) - len(pending))
+        try:
+            for traj in run_episodes([(t, Path("/")) for t in pending], policy, recipe.agent,
+                                     recipe.sandbox, mode="eval", batch_size=batch):
+                task = by_id[traj.task_id]
+                scores = bench.score(task, traj.final_answer)
+                rec = EvalRecord(
+                    run_id=run_id, model=model_tag, benchmark=name, sample_id=task.id,
+                    benchmark_version=bench.version, prompt_version=traj.prompt_version,
+                    prompt_hash=traj.prompt_hash, scorer=bench.reference,
+                    prediction=traj.final_answer, stop_reason=traj.stop_reason,
+                    turns=traj.num_turns, tool_calls=traj.tool_calls,
+                    failed_calls=traj.failed_calls, visual_tokens=traj.visual_tokens,
+                    total_tokens=(traj.prompt_tokens + traj.generated_tokens
+                                  + traj.observation_tokens),
+                    duration_s=traj.total_s, trajectory=traj.to_json(), scores=scores)
+                store.add_eval_record(rec)
+                if on_sample is not None:
+                    on_sample(name, rec)
+                progress.advance()
+        finally:
+            progress.close()
         stored = store.eval_scores(run_id, model_tag, name)
         samples = [(by_id[sid], s) for sid, s in stored.items() if sid in by_id]
         aggregate = bench.aggregate(samples) if samples else {}
