@@ -1,0 +1,238 @@
+"""A recipe as the complete Hydra override list of ``python -m verl.trainer.main_ppo`` (verl 0.9.1).
+
+Every setting the method depends on is written out, even where verl's default already agrees, so
+the launch script in the run directory says what ran. The paper's values come from the recipe:
+
+- GRPO without std normalisation (``algorithm.adv_estimator=grpo``,
+  ``algorithm.norm_adv_by_std_in_grpo=False``), no KL (``use_kl_loss`` only when
+  ``rl.algorithm.kl_coef > 0``; no in-reward KL), entropy coefficient 0, PPO clip 0.2/0.2,
+  ``token-mean`` loss aggregation, constant learning rate 1e-6, frozen vision tower
+  (``actor_rollout_ref.actor.freeze_vision_tower``).
+- Multi-turn agent rollouts: ``rollout.mode=async``, ``multi_turn.enable``, our agent loop
+  registered through the YAML the launcher writes (``agent.agent_loop_config_path``) and chosen
+  by default (``agent.default_agent_loop=pyvision_agent``), at most ``agent.max_turns_train``
+  assistant turns, a ``max_model_len`` of ``agent.max_context_tokens``, up to ``agent.max_images``
+  images per prompt.
+- The reward entry (``pkg://pipelines.rl.verl.reward``) with the run's recipe as a reward kwarg,
+  through verl's ``naive`` reward manager (the one that passes the loop's ``extra_fields``).
+- The oversample-filter-rank strategy as the v1 trainer's custom sampler
+  (``pkg://pipelines.rl.verl.ranking``), its settings in ``sampler_kwargs``; verl's own DAPO
+  filter off. ``data.gen_batch_size`` divides both the batch and the oversampled extra, so the
+  sampler can ask for exactly the prompts it needs.
+- Batch sizes in prompts: ``data.train_batch_size = rl.prompts_per_step``,
+  ``actor.ppo_mini_batch_size = rl.mini_batch_prompts`` (verl multiplies by ``rollout.n``);
+  dynamic micro-batches bounded by prompt + response tokens.
+- Cluster and bookkeeping: nodes and GPUs per node, checkpoints under ``<run>/rl/checkpoints``
+  (what ``pyvision merge --engine verl`` reads), ``trainer.logger=[console,file]`` with the file
+  logger's JSONL at a known path (the launcher streams it into the store), resume mode, and
+  a Ray runtime environment that lets every worker import this package.
+
+``+key=value`` adds a key verl's YAML does not declare but its code reads: ``rollout.limit_images``
+(a ``RolloutConfig`` field), ``custom_reward_function.reward_kwargs`` and
+``sampler_kwargs.*`` (passed to our functions), ``ray_kwargs.ray_init.runtime_env.env_vars.*``.
+``rl.verl.extra_overrides`` are appended last, verbatim (a later override of the same key wins).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipelines.config.recipe import Recipe
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+AGENT_LOOP_NAME = "pyvision_agent"
+AGENT_LOOP_CLASS = "pipelines.rl.verl.agent_loop.PyVisionAgentLoop"
+REWARD_PATH = "pkg://pipelines.rl.verl.reward"
+SAMPLER_PATH = "pkg://pipelines.rl.verl.ranking"
+SAMPLER_NAME = "PyVisionReplayBuffer"
+MAX_ROUNDS = 3  # generation rounds per step, as the local engine (pipelines.rl.verl.ranking)
+_SAFE = re.compile(r"^[A-Za-z0-9_./@+-]+$")
+_NOT_STRINGS = re.compile(r"^([-+]?[0-9._]+([eE][-+]?[0-9]+)?|true|false|null|none|nan|inf)$",
+                          re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class VerlPaths:
+    """Where the launcher writes each file of the stage directory ``stage``."""
+
+    stage: Path
+
+    @property
+    def data_dir(self) -> Path:
+        return self.stage / "data"
+
+    @property
+    def train(self) -> Path:
+        return self.data_dir / "train.parquet"
+
+    @property
+    def val(self) -> Path:
+        return self.data_dir / "train_val.parquet"
+
+    @property
+    def recipe(self) -> Path:
+        return self.stage / "config.yaml"
+
+    @property
+    def agent_loop(self) -> Path:
+        return self.stage / "agent_loop.yaml"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.stage / "checkpoints"
+
+    @property
+    def metrics(self) -> Path:
+        return self.stage / "verl_metrics.jsonl"
+
+    @property
+    def log(self) -> Path:
+        return self.stage / "verl.log"
+
+    @property
+    def script(self) -> Path:
+        return self.stage / "launch.sh"
+
+
+@dataclass(frozen=True)
+class Override:
+    key: str
+    value: Any
+    add: bool = False
+
+    def __str__(self) -> str:
+        return f"{'+' if self.add else ''}{self.key}={hydra_value(self.value)}"
+
+
+def hydra_value(value: Any) -> str:
+    """``value`` in Hydra's override grammar (strings quoted only when they need it)."""
+    if isinstance(value, bool):
+        return "True" if value else "False"
+    if value is None:
+        return "null"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(hydra_value(v) for v in value) + "]"
+    text = str(value)
+    if _SAFE.match(text) and not _NOT_STRINGS.match(text):
+        return text
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'").replace("${", "\\${") + "'"
+
+
+def gen_batch_size(prompts_per_step: int, oversample_factor: float) -> int:
+    """The dataloader fetch size: divides the batch and the oversampled extra prompts."""
+    extra = math.ceil(oversample_factor * prompts_per_step) - prompts_per_step
+    return math.gcd(prompts_per_step, extra) if extra > 0 else prompts_per_step
+
+
+def render(recipe: Recipe, *, model: str, paths: VerlPaths, has_val: bool,
+           resume: bool) -> list[Override]:
+    """The overrides as (key, value) pairs; see the module docstring for what and why."""
+    rl, agent, verl, algo = recipe.rl, recipe.agent, recipe.rl.verl, recipe.rl.algorithm
+    test_freq = verl.test_freq if has_val else -1
+    tokens = rl.max_prompt_tokens + rl.max_response_tokens
+    strategy = rl.strategy.model_dump()
+    env = {"PYTHONPATH": str(REPO_ROOT), "VERL_FILE_LOGGER_PATH": str(paths.metrics),
+           "PYVISION_VERL_RECIPE": str(paths.recipe)}
+    out = [
+        # algorithm: GRPO without std normalisation, no in-reward KL, no DAPO filter (ours ranks)
+        Override("algorithm.adv_estimator", "grpo"),
+        Override("algorithm.norm_adv_by_std_in_grpo", algo.norm_adv_by_std),
+        Override("algorithm.use_kl_in_reward", False),
+        Override("algorithm.kl_ctrl.kl_coef", algo.kl_coef),
+        Override("algorithm.filter_groups.enable", False),
+        # data
+        Override("data.train_files", str(paths.train)),
+        Override("data.val_files", str(paths.val if has_val else paths.train)),
+        Override("data.train_batch_size", rl.prompts_per_step),
+        Override("data.gen_batch_size", gen_batch_size(rl.prompts_per_step,
+                                                       rl.strategy.oversample_factor)),
+        Override("data.max_prompt_length", rl.max_prompt_tokens),
+        Override("data.max_response_length", rl.max_response_tokens),
+        Override("data.filter_overlong_prompts", True),
+        Override("data.truncation", "error"),
+        Override("data.return_raw_chat", True),
+        Override("data.shuffle", True),
+        Override("data.seed", recipe.seed),
+        # model and actor
+        Override("actor_rollout_ref.model.path", model),
+        Override("actor_rollout_ref.model.use_remove_padding", True),
+        Override("actor_rollout_ref.model.enable_gradient_checkpointing", True),
+        Override("actor_rollout_ref.actor.optim.lr", rl.learning_rate),
+        Override("actor_rollout_ref.actor.optim.lr_scheduler_type", "constant"),
+        Override("actor_rollout_ref.actor.optim.lr_warmup_steps_ratio", 0.0),
+        # Paper: weight decay 0.01, gradient clip 1.0 (verl's defaults too, pinned here).
+        Override("actor_rollout_ref.actor.optim.weight_decay", 0.01),
+        Override("actor_rollout_ref.actor.optim.clip_grad", 1.0),
+        Override("actor_rollout_ref.actor.ppo_mini_batch_size", rl.mini_batch_prompts),
+        Override("actor_rollout_ref.actor.ppo_epochs", 1),
+        Override("actor_rollout_ref.actor.use_dynamic_bsz", True),
+        Override("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", tokens),
+        Override("actor_rollout_ref.actor.clip_ratio_low", algo.clip_ratio_low),
+        Override("actor_rollout_ref.actor.clip_ratio_high", algo.clip_ratio_high),
+        Override("actor_rollout_ref.actor.loss_agg_mode", algo.loss_agg_mode),
+        Override("actor_rollout_ref.actor.use_kl_loss", algo.kl_coef > 0),
+        Override("actor_rollout_ref.actor.kl_loss_coef", algo.kl_coef),
+        Override("actor_rollout_ref.actor.entropy_coeff", algo.entropy_coef),
+        Override("actor_rollout_ref.actor.freeze_vision_tower", rl.freeze_vision_tower),
+        # rollout: multi-turn agent loop on vLLM/SGLang servers
+        Override("actor_rollout_ref.rollout.name", verl.rollout_name),
+        Override("actor_rollout_ref.rollout.mode", "async"),
+        Override("actor_rollout_ref.rollout.n", rl.n),
+        Override("actor_rollout_ref.rollout.temperature", agent.temperature),
+        Override("actor_rollout_ref.rollout.top_p", agent.top_p),
+        Override("actor_rollout_ref.rollout.seed", recipe.seed),
+        Override("actor_rollout_ref.rollout.tensor_model_parallel_size",
+                 verl.tensor_model_parallel_size),
+        Override("actor_rollout_ref.rollout.gpu_memory_utilization", verl.gpu_memory_utilization),
+        Override("actor_rollout_ref.rollout.max_model_len", agent.max_context_tokens),
+        Override("actor_rollout_ref.rollout.limit_images", agent.max_images, add=True),
+        Override("actor_rollout_ref.rollout.val_kwargs.temperature", agent.eval_temperature),
+        Override("actor_rollout_ref.rollout.val_kwargs.do_sample", agent.eval_temperature > 0),
+        Override("actor_rollout_ref.rollout.val_kwargs.n", 1),
+        Override("actor_rollout_ref.rollout.multi_turn.enable", True),
+        Override("actor_rollout_ref.rollout.multi_turn.max_assistant_turns", agent.max_turns_train),
+        Override("actor_rollout_ref.rollout.agent.default_agent_loop", AGENT_LOOP_NAME),
+        Override("actor_rollout_ref.rollout.agent.agent_loop_config_path", str(paths.agent_loop)),
+        # reward
+        Override("reward.reward_manager.name", "naive"),
+        Override("reward.custom_reward_function.path", REWARD_PATH),
+        Override("reward.custom_reward_function.name", "compute_score"),
+        Override("reward.custom_reward_function.reward_kwargs.recipe", str(paths.recipe), add=True),
+        # trainer: v1, sync, our sampler
+        Override("trainer.use_v1", True),
+        Override("trainer.v1.trainer_mode", "sync"),
+        Override("trainer.v1.sampler.custom_sampler.path", SAMPLER_PATH),
+        Override("trainer.v1.sampler.custom_sampler.name", SAMPLER_NAME),
+        *[Override(f"trainer.v1.sampler.sampler_kwargs.{k}", v, add=True)
+          for k, v in strategy.items()],
+        Override("trainer.v1.sampler.sampler_kwargs.gen_batch_size",
+                 gen_batch_size(rl.prompts_per_step, rl.strategy.oversample_factor), add=True),
+        Override("trainer.v1.sampler.sampler_kwargs.max_rounds", MAX_ROUNDS, add=True),
+        Override("trainer.nnodes", verl.nnodes),
+        Override("trainer.n_gpus_per_node", verl.gpus_per_node),
+        Override("trainer.total_epochs", verl.total_epochs),
+        Override("trainer.save_freq", verl.save_freq),
+        Override("trainer.test_freq", test_freq),
+        Override("trainer.val_before_train", test_freq > 0),
+        Override("trainer.project_name", "pyvision"),
+        Override("trainer.experiment_name", paths.stage.parent.name),
+        Override("trainer.logger", ["console", "file"]),
+        Override("trainer.default_local_dir", str(paths.checkpoints)),
+        Override("trainer.resume_mode", "auto" if resume else "disable"),
+        *[Override(f"ray_kwargs.ray_init.runtime_env.env_vars.{k}", v, add=True)
+          for k, v in env.items()],
+    ]
+    return out
+
+
+def render_overrides(recipe: Recipe, *, model: str, paths: VerlPaths, has_val: bool,
+                     resume: bool) -> list[str]:
+    """The command-line overrides, ``rl.verl.extra_overrides`` last."""
+    return [str(o) for o in render(recipe, model=model, paths=paths, has_val=has_val,
+                                   resume=resume)] + list(recipe.rl.verl.extra_overrides)

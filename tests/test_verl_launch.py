@@ -1,0 +1,377 @@
+"""The verl engine, CPU side: ranking sampler, reward entry, Hydra overrides, launch and dry run."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import sys
+import threading
+import types
+from collections import defaultdict
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from pipelines.config.recipe import RECIPES_DIR, load_recipe
+from pipelines.config.rl import StrategyConfig
+from pipelines.data.records import Task
+from pipelines.rl.verl.overrides import VerlPaths, render, render_overrides
+from pipelines.rl.verl.reward import TERMS
+
+# -- a TransferQueue stand-in ------------------------------------------------------------------
+# verl's v1 ReplayBuffer talks to TransferQueue (not installed on CPU machines; verl[vllm] brings
+# it). This in-memory stand-in implements the calls the buffer makes, with the key/tag/field model
+# of the real one: trajectories under `{uid}_{session}_{index}`, prompts under `{uid}` with tags.
+
+
+@dataclasses.dataclass
+class KVBatchMeta:
+    partition_id: str
+    keys: list[str]
+    tags: list[dict]
+    extra_info: dict = dataclasses.field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+class FakeTQ(types.ModuleType):
+    KVBatchMeta = KVBatchMeta
+
+    def __init__(self) -> None:
+        super().__init__("transfer_queue")
+        self.parts: dict[str, dict[str, dict[str, Any]]] = defaultdict(dict)
+        self.after_list: list = []
+
+    def kv_list(self, partition_id: str | None = None) -> dict:
+        out = {p: {k: dict(v["tag"]) for k, v in items.items()} for p, items in self.parts.items()
+               if partition_id in (None, p)}
+        hooks, self.after_list = self.after_list, []
+        for hook in hooks:
+            hook()
+        return out
+
+    def kv_batch_get(self, keys: list[str], partition_id: str, select_fields: list[str]) -> dict:
+        return {f: [self.parts[partition_id][k]["fields"][f] for k in keys] for f in select_fields}
+
+    def kv_clear(self, keys: list[str], partition_id: str) -> None:
+        for k in keys:
+            self.parts[partition_id].pop(k, None)
+
+
+class Rollouts:
+    """Plays the agent-loop workers: each submitted prompt becomes the next scripted group."""
+
+    def __init__(self, tq: FakeTQ, groups: list[list[tuple[float, dict]]], *, running: bool = False):
+        self.tq, self.groups, self.running, self.submitted = tq, list(groups), running, 0
+
+    def submit(self, n: int) -> int:
+        for _ in range(n):
+            index = self.submitted
+            uid = f"p{index:03d}"
+            self.submitted += 1
+            status = "running" if self.running else "finished"
+            self.tq.parts["train"][uid] = {"tag": {"is_prompt": True, "status": status,
+                                                   "global_steps": 1}, "fields": {}}
+            for s, (reward, extra) in enumerate(self.groups.pop(0)):
+                outputs = extra.pop("_outputs", 1)
+                for i in range(outputs):
+                    self.tq.parts["train"][f"{uid}_{s}_{i}"] = {
+                        "tag": {"status": "success", "seq_len": 10 + s},
+                        "fields": {"rm_scores": torch.tensor([0.0, 0.0, reward if i == outputs - 1
+                                                              else 0.0]),
+                                   "extra_fields": {"reward_extra_info": {"accuracy": float(reward > 0),
+                                                                          "correct": float(reward > 0)},
+                                                    **extra},
+                                   "index": torch.tensor(index)}}
+            if self.running:
+                def finish(uid: str = uid) -> None:
+                    self.tq.parts["train"][uid]["tag"]["status"] = "finished"
+                self.tq.after_list.append(finish)
+        return n
+
+
+@pytest.fixture()
+def ranking(monkeypatch):
+    """pipelines.rl.verl.ranking imported against the stand-in (and forgotten afterwards)."""
+    tq = FakeTQ()
+    names = ("transfer_queue", "verl.trainer.ppo.v1.replay_buffer", "pipelines.rl.verl.ranking")
+    saved = {n: sys.modules.get(n) for n in names}
+    sys.modules["transfer_queue"] = tq
+    for n in names[1:]:
+        sys.modules.pop(n, None)
+    module = importlib.import_module("pipelines.rl.verl.ranking")
+    yield module, tq
+    for n, m in saved.items():
+        if m is None:
+            sys.modules.pop(n, None)
+        else:
+            sys.modules[n] = m
+
+
+def _buffer(module, rollouts: Rollouts, **kwargs):
+    sampler_kwargs = {"oversample_factor": 2.0, "filter_zero_variance": True, "filter_broken": True,
+                      "filter_no_image": False, "rank_by_std": True, "gen_batch_size": 1,
+                      "max_rounds": 3, "poll_s": 0.01, **kwargs}
+    return module.PyVisionReplayBuffer(trainer_mode="sync", trainer_config={},
+                                       max_off_policy_threshold=None,
+                                       max_off_policy_strategy="drop",
+                                       sampler_kwargs=sampler_kwargs, refill_fn=rollouts.submit)
+
+
+def ok(reward: float, **extra: Any) -> tuple[float, dict]:
+    return reward, {"stop_reason": "answered", "final_answer": "A", "produced_image": True,
+                    "tool_calls": 2, "successful_calls": 1, "assistant_turns": 3, **extra}
+
+
+def test_oversample_filter_rank_keeps_whole_groups(ranking):
+    module, tq = ranking
+    groups = [
+        [ok(1.0)] * 4,                                      # index 0: zero variance
+        [ok(1.0), ok(0.0), ok(0.0), ok(0.0)],               # index 1: std 0.5
+        [ok(1.3), ok(0.0), ok(1.3, _outputs=2), ok(0.0)],   # index 2: std 0.75, a 2-output session
+        [ok(0.0), ok(1.0), ok(0.0), ok(0.0)],               # index 3: std 0.5, ties with index 1
+    ]
+    rollouts = Rollouts(tq, groups, running=True)
+    buffer = _buffer(module, rollouts)
+    rollouts.submit(2)  # what the trainer submits for a batch of 2 prompts
+    batch, metrics = buffer.sample(global_steps=1, partition_id="train", batch_size=2)
+    assert rollouts.submitted == 4  # oversampled to ceil(2.0 x 2) prompts
+    # Highest std first; the tie between indices 1 and 3 goes to the lower index; whole groups.
+    assert batch.keys == ["p002_0_0", "p002_1_0", "p002_2_0", "p002_2_1", "p002_3_0",
+                          "p001_0_0", "p001_1_0", "p001_2_0", "p001_3_0"]
+    assert [t["seq_len"] for t in batch.tags[:2]] == [10, 11]
+    assert metrics["strategy/kept_groups"] == 2 and metrics["strategy/kept_trajectories"] == 8
+    assert metrics["strategy/dropped_zero_variance"] == 1 and metrics["strategy/dropped_rank_cut"] == 1
+    assert metrics["strategy/generated_groups"] == 4 and metrics["strategy/rounds"] == 1
+    assert metrics["reward/mean"] == pytest.approx((4 + 1 + 2.6 + 1) / 16)
+    assert metrics["accuracy"] == pytest.approx(8 / 16) and metrics["tool_calls/mean"] == 2
+    assert metrics["stop/answered"] == 1.0
+    # Only the batch's trajectories stay in TransferQueue (the trainer clears them after the step).
+    assert sorted(tq.parts["train"]) == sorted(batch.keys)
+
+
+def test_broken_rollouts_dropped_and_another_round_fills_the_batch(ranking):
+    module, tq = ranking
+    groups = [
+        [ok(1.0), ok(0.0, stop_reason="context_overflow"), ok(0.0), ok(0.0)],
+        [ok(1.0), ok(0.0, final_answer=""), ok(0.0, stop_reason="image_limit"),
+         ok(0.0, stop_reason="context_overflow")],          # one rollout left: dropped
+        [ok(0.0), ok(1.0), ok(0.0), ok(1.0)],
+    ]
+    rollouts = Rollouts(tq, groups)
+    buffer = _buffer(module, rollouts, oversample_factor=1.0)
+    rollouts.submit(2)
+    batch, metrics = buffer.sample(global_steps=1, partition_id="train", batch_size=2)
+    assert rollouts.submitted == 3 and metrics["strategy/rounds"] == 2
+    assert batch.keys == ["p002_0_0", "p002_1_0", "p002_2_0", "p002_3_0",  # std 0.58 first
+                          "p000_0_0", "p000_2_0", "p000_3_0"]  # its broken rollout 1 is out
+    assert metrics["strategy/dropped_broken_context_overflow"] == 2
+    assert metrics["strategy/dropped_broken_image_limit"] == 1
+    assert metrics["strategy/dropped_broken_malformed"] == 1
+    assert metrics["strategy/dropped_single_rollout"] == 1
+    assert metrics["strategy/dropped_rank_cut"] == 0  # the lone rollout never took a place
+    assert sorted(tq.parts["train"]) == sorted(batch.keys)
+
+
+def test_ranking_does_not_depend_on_arrival_order(ranking):
+    module = ranking[0]
+    trajs = {}
+    for uid, index, rewards in (("zz", 0, [1, 0]), ("aa", 1, [1, 0]), ("mm", 2, [0, 0])):
+        for s, r in enumerate(rewards):
+            trajs[f"{uid}_{s}_0"] = {"reward": r, "index": index,
+                                     "extra_fields": {"stop_reason": "answered", "final_answer": "x"}}
+    cfg = StrategyConfig()
+    forward = module.choose(module.build_groups(trajs), 1, cfg)
+    backward = module.choose(module.build_groups(dict(reversed(list(trajs.items())))), 1, cfg)
+    assert forward.kept_uids == backward.kept_uids == ["zz"]  # tie on std: lower dataset index
+    assert forward.drop_uids == {"aa", "mm"}
+
+
+def test_nothing_survives_is_an_error_that_names_the_filters(ranking):
+    module, tq = ranking
+    rollouts = Rollouts(tq, [[ok(0.0)] * 2 for _ in range(3)])
+    buffer = _buffer(module, rollouts, oversample_factor=1.0)
+    rollouts.submit(1)
+    with pytest.raises(RuntimeError, match="no group survived.*3 generation rounds.*zero_variance"):
+        buffer.sample(global_steps=1, partition_id="train", batch_size=1)
+
+
+def test_sampler_refuses_async_modes(ranking):
+    module = ranking[0]
+    with pytest.raises(ValueError, match="trainer_mode=sync"):
+        module.PyVisionReplayBuffer(trainer_mode="colocate_async", trainer_config={},
+                                    max_off_policy_threshold=None, max_off_policy_strategy="drop",
+                                    sampler_kwargs={}, refill_fn=lambda n: n)
+
+
+# -- overrides ---------------------------------------------------------------------------------
+
+
+SHIPPED = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+
+
+def compose_verl(overrides: list[str]):
+    """verl's own trainer config (ppo_trainer.yaml and its defaults) with ``overrides``."""
+    from hydra import compose, initialize_config_dir
+
+    root = importlib.util.find_spec("verl").submodule_search_locations[0]
+    with initialize_config_dir(config_dir=str(Path(root) / "trainer" / "config"), version_base=None):
+        return compose("ppo_trainer", overrides=overrides)
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_overrides_compose_against_verls_config(name, tmp_path):
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import omega_conf_to_dataclass, validate_config
+
+    recipe = load_recipe(RECIPES_DIR / f"{name}.yaml", ("rl.verl.extra_overrides=[trainer.save_freq=7]",))
+    paths = VerlPaths(tmp_path / "runs" / name / "rl")
+    pairs = render(recipe, model="Qwen/Qwen2.5-VL-7B-Instruct", paths=paths, has_val=True,
+                   resume=False)
+    # Composition itself rejects an unknown key (and a '+' key that verl already declares).
+    cfg = compose_verl(render_overrides(recipe, model="Qwen/Qwen2.5-VL-7B-Instruct", paths=paths,
+                                        has_val=True, resume=False))
+    for o in pairs:
+        got = OmegaConf.select(cfg, o.key, throw_on_missing=True)
+        got = list(got) if OmegaConf.is_list(got) else got
+        expected = 7 if o.key == "trainer.save_freq" else o.value  # extra overrides come last
+        assert got == expected and type(got) is type(expected), o
+    assert len({o.key for o in pairs}) == len(pairs)
+    validate_config(cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
+    assert not need_reference_policy(cfg) and not need_critic(cfg)  # no KL, no critic
+    rollout = omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout)
+    assert rollout.limit_images == recipe.agent.max_images and rollout.multi_turn.enable
+    if name.startswith("pyvision-"):  # the paper's settings, spelled out
+        actor, algo = cfg.actor_rollout_ref.actor, cfg.algorithm
+        assert (cfg.actor_rollout_ref.rollout.n, actor.optim.lr, actor.optim.lr_scheduler_type) == \
+            (8, 1e-6, "constant")
+        assert (actor.clip_ratio_low, actor.clip_ratio_high, actor.loss_agg_mode) == \
+            (0.2, 0.2, "token-mean")
+        assert (actor.use_kl_loss, actor.kl_loss_coef, actor.entropy_coeff) == (False, 0.0, 0.0)
+        assert (algo.adv_estimator, algo.norm_adv_by_std_in_grpo, algo.use_kl_in_reward) == \
+            ("grpo", False, False)
+        assert actor.freeze_vision_tower is True
+        assert cfg.actor_rollout_ref.rollout.multi_turn.max_assistant_turns == 5
+        assert cfg.actor_rollout_ref.rollout.max_model_len == 32768
+        assert (cfg.data.train_batch_size, actor.ppo_mini_batch_size, cfg.data.gen_batch_size) == \
+            (64, 16, 64)
+        assert (cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node, cfg.trainer.total_epochs,
+                cfg.trainer.test_freq) == (1, 8, 5, 20)
+    assert cfg.actor_rollout_ref.rollout.mode == "async"
+    assert cfg.actor_rollout_ref.rollout.agent.agent_loop_config_path == str(paths.agent_loop)
+    assert cfg.trainer.default_local_dir == str(paths.checkpoints)
+    assert "file" in cfg.trainer.logger and cfg.trainer.resume_mode == "disable"
+    assert cfg.reward.custom_reward_function.reward_kwargs.recipe == str(paths.recipe)
+    assert cfg.trainer.v1.sampler.sampler_kwargs.oversample_factor == \
+        recipe.rl.strategy.oversample_factor
+
+
+def test_override_values_survive_hydra_quoting(tmp_path):
+    weird = tmp_path / "my runs" / "it's=here,[x]" / "rl"
+    recipe = load_recipe(None, ("rl.verl.nnodes=2",))
+    cfg = compose_verl(render_overrides(recipe, model="/models/a b", paths=VerlPaths(weird),
+                                        has_val=False, resume=True))
+    assert cfg.data.train_files == str(weird / "data" / "train.parquet")
+    assert cfg.data.val_files == cfg.data.train_files and cfg.trainer.test_freq == -1
+    assert cfg.actor_rollout_ref.model.path == "/models/a b" and cfg.trainer.nnodes == 2
+    assert cfg.trainer.resume_mode == "auto" and cfg.trainer.val_before_train is False
+
+
+# -- reward through verl's naive reward manager --------------------------------------------------
+
+
+def _judge_server(verdict: str) -> HTTPServer:
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            body = json.dumps({"choices": [{"message": {"content": verdict}}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def _row(task: Task, tokenizer, text: str, loop_fields: dict | None):
+    """One trajectory as verl's agent loop hands it to the reward worker (agent_loop._compute_score)."""
+    from tensordict import TensorDict
+    from verl import DataProto
+
+    prompt = torch.tensor(tokenizer.encode("question"), dtype=torch.int64)
+    response = torch.tensor(tokenizer.encode(text), dtype=torch.int64)
+    ids = torch.cat([prompt, response])
+    batch = TensorDict({"prompts": prompt[None], "responses": response[None],
+                        "attention_mask": torch.ones_like(ids)[None], "input_ids": ids[None],
+                        "position_ids": torch.arange(len(ids))[None]}, batch_size=1)
+    extra_info = {"index": 0, "split": "train", "task": task.model_dump_json(), "media_root": "/"}
+    non_tensor = {"data_source": np.array([task.data_source], dtype=object),
+                  "reward_model": np.array([{"style": "rule", "ground_truth": task.answer}]),
+                  "extra_info": np.array([extra_info]), "__num_turns__": np.array([5])}
+    if loop_fields is not None:
+        non_tensor["tool_extra_fields"] = np.array([loop_fields], dtype=object)
+    return DataProto(batch=batch, non_tensor_batch=non_tensor)
+
+
+def test_reward_entry_through_verls_naive_reward_manager(tiny_model_dir, tmp_path):
+    from transformers import AutoTokenizer
+    from verl.trainer.ppo.reward import load_reward_manager
+
+    server = _judge_server("Judgement: 1")
+    try:
+        recipe = load_recipe(RECIPES_DIR / "pyvision-image-7b.yaml",
+                             (f"reward.judge.base_url=http://127.0.0.1:{server.server_port}",))
+        paths = VerlPaths(tmp_path / "runs" / "r" / "rl")
+        paths.stage.mkdir(parents=True)
+        paths.recipe.write_text(json.dumps(recipe.model_dump(mode="json")))  # YAML is a JSON superset
+        cfg = compose_verl(render_overrides(recipe, model=str(tiny_model_dir), paths=paths,
+                                            has_val=False, resume=False))
+        tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+        manager = load_reward_manager(cfg, tokenizer)
+        assert type(manager).__name__ == "NaiveRewardManager"
+
+        def score(task, text, fields):
+            out = manager.loop.run_until_complete(manager.run_single(_row(task, tokenizer, text, fields)))
+            assert set(out["reward_extra_info"]) == set(TERMS)  # the same keys for every sample
+            assert out["reward_score"] == out["reward_extra_info"]["score"]
+            return out["reward_extra_info"]
+
+        choice = Task(id="c", data_source="vstar", question="Colour?\n(A) red\n(B) blue",
+                      answer="B", answer_type="choice", options=["red", "blue"])
+        loop = {"final_answer": "B", "well_formed": True, "answer_chars": 12, "successful_calls": 3,
+                "tool_calls": 4, "stop_reason": "answered"}
+        r = score(choice, "ignored", loop)
+        assert r["score"] == pytest.approx(1.3) and (r["accuracy"], r["tool"]) == (1.0, pytest.approx(0.3))
+        assert r["parsed_from_text"] == 0.0 and r["judged"] == 0.0  # choices use the rule verifier
+        assert score(choice, "", dict(loop, final_answer="A"))["score"] == 0.0  # no tool bonus
+        r = score(choice, "", dict(loop, answer_chars=5000))
+        assert (r["score"], r["length_guard"]) == (0.0, 1.0)  # the guard zeroes the tool bonus too
+        r = score(choice, "", dict(loop, final_answer="", well_formed=False))
+        assert (r["score"], r["format"], r["correct"]) == (0.0, 0.0, 0.0)
+        # Without the loop's fields the answer is parsed from the decoded text; an answer printed by
+        # the code inside <interpreter> is not the model's, and a failed call earns no bonus.
+        text = ("<code>\n```python\nprint(1)\n```\n</code><interpreter>\nText Result:\n"
+                "<answer>\\boxed{A}</answer>\n</interpreter><code>\n```python\nx\n```\n</code>"
+                "<interpreter>\nText Result:\nNone\nError (error):\nNameError\n</interpreter>"
+                "It is blue.\n<answer>\n\\boxed{B}\n</answer>")
+        r = score(choice, text, None)
+        assert (r["score"], r["parsed_from_text"]) == (pytest.approx(1.1), 1.0)
+        # Free-text answers go to the judge (a test server that says "consistent").
+        text_task = Task(id="t", data_source="synth/image-search", question="What is left of the cup?",
+                         answer="a small red ball", answer_type="text")
+        r = score(text_task, "", dict(loop, final_answer="the red sphere", successful_calls=1))
+        assert (r["score"], r["judged"], r["judge_fallback"]) == (pytest.approx(1.1), 1.0, 0.0)
+    finally:
+        server.shutdown()
