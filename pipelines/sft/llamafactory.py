@@ -207,16 +207,35 @@ def run_llamafactory(command: str, config_path: Path, *, python: str, log_path: 
     full_env.update({"WANDB_DISABLED": "true", "WANDB_MODE": "disabled",
                      "DISABLE_VERSION_CHECK": "1", "TOKENIZERS_PARALLELISM": "false"})
     full_env.update(env or {})
-    argv = [python, "-m", "llamafactory.cli", command, str(config_path)]
+    run_streaming([python, "-m", "llamafactory.cli", command, str(config_path)],
+                  name=f"LLaMA-Factory {command}", cwd=config_path.parent, log_path=log_path,
+                  env=full_env, follow=trainer_log, on_log=on_log, poll_s=poll_s,
+                  skip_existing_log=skip_existing_log,
+                  missing_hint="set sft.python to a Python that has llamafactory installed",
+                  failure_hint="read the log tail above; fix the recipe or data and re-run (add "
+                               "--resume to continue from the last checkpoint)")
+
+
+def run_streaming(argv: list[str], *, name: str, cwd: Path, log_path: Path,
+                  env: Mapping[str, str] | None = None, follow: Path | None = None,
+                  on_log: Callable[[dict[str, Any]], None] | None = None,
+                  on_line: Callable[[str], None] | None = None, poll_s: float = 0.5,
+                  skip_existing_log: bool = False, missing_hint: str, failure_hint: str) -> None:
+    """Run an external engine, teeing its output to ``log_path`` (shared by SFT and verl RL).
+
+    ``on_log`` gets each new line of the JSONL file ``follow`` while the process runs, ``on_line``
+    each line of its output. Interrupting the caller terminates the process. A non-zero exit
+    prints the log's tail to stderr and raises :class:`SubprocessFailed` naming the full log.
+    """
     tail: deque[str] = deque(maxlen=LOG_TAIL_LINES)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     try:
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env=full_env, cwd=config_path.parent, bufsize=1,
+                                env=dict(env) if env is not None else None, cwd=cwd, bufsize=1,
                                 errors="replace")
     except OSError as exc:
-        raise UserError(f"cannot start LLaMA-Factory with interpreter '{python}': {exc}",
-                        hint="set sft.python to a Python that has llamafactory installed") from None
+        raise UserError(f"cannot start {name} with interpreter '{argv[0]}': {exc}",
+                        hint=missing_hint) from None
 
     with open(log_path, "a", encoding="utf-8") as log:
         log.write(f"$ {' '.join(argv)}\n")
@@ -227,11 +246,13 @@ def run_llamafactory(command: str, config_path: Path, *, python: str, log_path: 
                 log.write(line)
                 log.flush()
                 tail.append(line.rstrip("\n"))
+                if on_line is not None:
+                    on_line(line.rstrip("\n"))
 
         reader = threading.Thread(target=pump, daemon=True)
         reader.start()
-        follower = (_LogTail(trainer_log, skip_existing=skip_existing_log)
-                    if trainer_log is not None else None)
+        follower = (_LogTail(follow, skip_existing=skip_existing_log)
+                    if follow is not None else None)
         try:
             while proc.poll() is None:
                 if follower is not None and on_log is not None:
@@ -253,14 +274,13 @@ def run_llamafactory(command: str, config_path: Path, *, python: str, log_path: 
     if proc.returncode != 0:
         from pipelines.console import err
 
-        err.print(f"[red]LLaMA-Factory `{command}` exited with code {proc.returncode}; "
+        err.print(f"[red]{name} exited with code {proc.returncode}; "
                   f"last {len(tail)} lines of its log:[/]")
         for line in tail:
             err.print(f"  {line}", markup=False, highlight=False)
         raise SubprocessFailed(
-            f"LLaMA-Factory {command} failed with exit code {proc.returncode}; full log: {log_path}",
-            hint="read the log tail above; fix the recipe or data and re-run (add --resume to "
-                 "continue from the last checkpoint)")
+            f"{name} failed with exit code {proc.returncode}; full log: {log_path}",
+            hint=failure_hint)
 
 
 def write_train_files(cfg: SFTConfig, stage_path: Path, *, model_path: str, dataset_dir: str,
