@@ -36,3 +36,32 @@ def perf_sandbox(
                   f"{result['crop_show_ms']['median']} ms (medians); {n_concurrent} live "
                   f"sandboxes: {result['concurrent']['peak_rss_mb']} MB RSS, "
                   f"{result['concurrent']['peak_pss_mb']} MB PSS")
+
+
+@command(app, "eval")
+def perf_eval(
+    n_image: Annotated[int, typer.Option(help="Synthetic held-out image-search samples.", min=0)] = 8,
+    n_video: Annotated[int, typer.Option(help="Synthetic held-out video samples.", min=0)] = 4,
+    size: Annotated[str, typer.Option(help="Tiny model size: nano | small.")] = "nano",
+    model: Annotated[str | None, typer.Option(help="Measure this model folder instead of a fresh tiny one (e.g. runs/demo/rl/model).")] = None,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens per assistant turn.", min=1)] = 64,
+    max_turns: Annotated[int, typer.Option(help="Most assistant turns per sample.", min=1)] = 4,
+    batch_size: Annotated[int, typer.Option(help="Trajectories advanced together.", min=1)] = 8,
+    json_out: JsonOpt = False,
+) -> None:
+    """Evaluation samples/s (agent loop + sandbox + scoring + store) per family, image and video.
+
+    Builds a tiny model and synthetic held-out sets in a temporary folder; runs each family with
+    the tiny model and with a scripted one-tool-call policy (the loop's cost without a model).
+    """
+    from pipelines.perf.eval import run_benchmark
+
+    with err.status("measuring evaluation ..."):
+        result = run_benchmark(n_image, n_video, size, max_new_tokens, max_turns, batch_size,
+                               model_dir=model)
+    if json_out:
+        print_json(result)
+    else:
+        for family, row in result["families"].items():
+            err.print(f"{family} ({row['benchmark']}): model {row['model']['samples_per_s']} "
+                      f"samples/s, scripted {row['scripted']['samples_per_s']} samples/s")

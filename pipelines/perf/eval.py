@@ -1,0 +1,120 @@
+"""`pyvision perf eval`: samples per second of evaluation (agent loop + sandbox + scoring + store).
+
+Everything is built in a temporary folder: a tiny Qwen2.5-VL, synthetic held-out image-search and
+video sets, a store. Each family is evaluated through :func:`pipelines.eval.runner.run_eval`
+exactly as `pyvision eval` runs it, twice:
+
+- ``model``: the tiny model through the transformers policy (generation dominates);
+- ``scripted``: a policy that writes one code block (crop and show for images, sample and show a
+  frame for videos) and then answers, so every sample pays a real sandbox call; this is the
+  loop's own cost without a model.
+
+The tiny model is untrained (random weights): it rarely writes code, so its numbers measure
+generation and scoring, not tool use. Model loading is timed separately and not counted.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+FAMILIES = {"image": ("image-search", "synth-image"), "video": ("video", "synth-video")}
+
+# Written without spaces: the scripted policy counts words as tokens, and each turn must fit the
+# smallest allowed max_new_tokens_per_turn (8).
+_IMAGE_TURN = ("<code>\n```python\nplt.imshow(image_clue_0.crop((0,0,image_clue_0.width//2,"
+               "image_clue_0.height//2)));plt.show()\n```\n</code>")
+_VIDEO_TURN = ("<code>\n```python\nplt.imshow(video_clue_0[len(video_clue_0)//2].asnumpy());"
+               "plt.show()\n```\n</code>")
+_ANSWER_TURN = "<answer>\n\\boxed{A}\n</answer>"
+
+
+def _summary(records: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
+    n = len(records)
+    stops: dict[str, int] = {}
+    for r in records:
+        stops[r["stop_reason"]] = stops.get(r["stop_reason"], 0) + 1
+    return {
+        "n": n, "seconds": round(seconds, 3),
+        "samples_per_s": round(n / seconds, 3) if seconds > 0 else None,
+        "mean_turns": round(statistics.mean(r["turns"] for r in records), 2),
+        "mean_tool_calls": round(statistics.mean(r["tool_calls"] for r in records), 2),
+        "mean_visual_tokens": round(statistics.mean(r["visual_tokens"] for r in records), 1),
+        "mean_total_tokens": round(statistics.mean(r["total_tokens"] for r in records), 1),
+        "stop_reasons": dict(sorted(stops.items())),
+    }
+
+
+def run_benchmark(n_image: int = 8, n_video: int = 4, size: str = "nano",
+                  max_new_tokens: int = 64, max_turns: int = 4, batch_size: int = 8,
+                  model_dir: str | Path | None = None,
+                  workdir: str | Path | None = None) -> dict[str, Any]:
+    """Measure evaluation throughput on this machine; returns the JSON the CLI prints.
+
+    ``model_dir`` measures that model (e.g. the demo's trained one) instead of a fresh tiny one.
+    """
+    import torch
+
+    from pipelines.agent.policies.hf import HFPolicy
+    from pipelines.agent.policies.scripted import ScriptedPolicy
+    from pipelines.config.recipe import load_recipe
+    from pipelines.data.synth import synthesize
+    from pipelines.eval.runner import run_eval
+    from pipelines.models.tiny import build_tiny_model
+    from pipelines.store import Store
+
+    counts = {"image": n_image, "video": n_video}
+    with tempfile.TemporaryDirectory(prefix="pyvision-perf-eval-", dir=workdir) as tmp:
+        root = Path(tmp)
+        t = time.monotonic()
+        if model_dir is None:
+            model_path = root / "model"
+            build_tiny_model(model_path, size=size, seed=0)  # type: ignore[arg-type]
+        else:
+            model_path = Path(model_dir)
+        build_s = time.monotonic() - t
+        data: dict[str, Path] = {}
+        for family, (kind, _) in FAMILIES.items():
+            if counts[family] > 0:
+                synthesize(kind, counts[family], 0, root / family, split="heldout",
+                           progress=False)
+                data[family] = root / family
+        recipe = load_recipe(None, [
+            f"agent.max_new_tokens_per_turn={max_new_tokens}", f"agent.max_turns_eval={max_turns}",
+            f"eval.batch_size={batch_size}", "model.device=cpu", "model.dtype=float32"])
+        store = Store(root / "perf.duckdb")
+        t = time.monotonic()
+        model = HFPolicy.from_pretrained(str(model_path), device="cpu", dtype="float32",
+                                         image_min_pixels=recipe.agent.image_min_pixels,
+                                         image_max_pixels=recipe.agent.image_max_pixels)
+        load_s = time.monotonic() - t
+
+        def scripted(code: str) -> ScriptedPolicy:
+            return ScriptedPolicy(lambda h: code if h.turn == 0 else _ANSWER_TURN)
+
+        out: dict[str, Any] = {}
+        for family, path in data.items():
+            bench = FAMILIES[family][1]
+            rows: dict[str, Any] = {}
+            code = _IMAGE_TURN if family == "image" else _VIDEO_TURN
+            for label, policy in (("model", model), ("scripted", scripted(code))):
+                run_id = f"perf-{label}-{family}"
+                t = time.monotonic()
+                results = run_eval(recipe, model=str(model_path), model_tag=label,
+                                   benchmarks=[bench], run_id=run_id, store=store,
+                                   data_dirs={bench: path}, policy=policy, show_progress=False)
+                seconds = time.monotonic() - t
+                rows[label] = {**_summary(store.eval_records(run_id, label, bench), seconds),
+                               "accuracy": results[bench].get("accuracy")}
+            out[family] = {"benchmark": bench, **rows}
+    return {
+        "model": {"path": str(model_dir) if model_dir else f"tiny {size} (built here)",
+                  "parameters": sum(p.numel() for p in model.model.parameters()),
+                  "build_s": round(build_s, 3), "load_s": round(load_s, 3)},
+        "settings": {"max_new_tokens_per_turn": max_new_tokens, "max_turns": max_turns,
+                     "batch_size": batch_size, "torch_threads": torch.get_num_threads()},
+        "families": out,
+    }

@@ -1,0 +1,34 @@
+"""`pyvision perf eval` prints the promised JSON (shape and counts only: timings would flake)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from pyvision_cli.perf import app
+
+
+def test_perf_eval_json_shape(tiny_model_dir: Path) -> None:
+    result = CliRunner().invoke(app, ["eval", "--json", "--model", str(tiny_model_dir),
+                                      "--n-image", "2", "--n-video", "1", "--max-new-tokens", "8",
+                                      "--max-turns", "2"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["model"]["path"] == str(tiny_model_dir) and data["model"]["parameters"] > 0
+    assert data["settings"]["max_new_tokens_per_turn"] == 8
+    families = data["families"]
+    assert {f: row["benchmark"] for f, row in families.items()} == {
+        "image": "synth-image", "video": "synth-video"}
+    for family, n in (("image", 2), ("video", 1)):
+        model, scripted = families[family]["model"], families[family]["scripted"]
+        assert model["n"] == scripted["n"] == n
+        assert model["samples_per_s"] > 0 and scripted["samples_per_s"] > 0
+        assert sum(model["stop_reasons"].values()) == n
+        # The scripted policy makes exactly one real sandbox call per sample, then answers.
+        assert (scripted["mean_turns"], scripted["mean_tool_calls"]) == (2, 1)
+        assert scripted["stop_reasons"] == {"answered": n}
+        assert 0.0 <= model["accuracy"] <= 1.0
+    assert families["image"]["model"]["mean_visual_tokens"] > 0
+    assert families["video"]["model"]["mean_visual_tokens"] == 0  # on-demand video context
