@@ -44,7 +44,7 @@ def perf_eval(
     n_video: Annotated[int, typer.Option(help="Synthetic held-out video samples.", min=0)] = 4,
     size: Annotated[str, typer.Option(help="Tiny model size: nano | small.")] = "nano",
     model: Annotated[str | None, typer.Option(help="Measure this model folder instead of a fresh tiny one (e.g. runs/demo/rl/model).")] = None,
-    max_new_tokens: Annotated[int, typer.Option(help="Tokens per assistant turn.", min=1)] = 64,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens per assistant turn.", min=8)] = 64,
     max_turns: Annotated[int, typer.Option(help="Most assistant turns per sample.", min=1)] = 4,
     batch_size: Annotated[int, typer.Option(help="Trajectories advanced together.", min=1)] = 8,
     json_out: JsonOpt = False,

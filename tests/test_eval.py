@@ -181,6 +181,28 @@ def test_uniform_frames_baseline_spends_visual_tokens(tiny_model_dir: Path, data
     assert uniform["visual_tokens"] == 3 * frame == 12
 
 
+def test_configured_judge_scores_mathverse_and_is_recorded(data_root: Path) -> None:
+    from tests.test_agent import _Server
+
+    verdict = {"choices": [{"message": {"content": "Judgement: 1"}}]}
+    judge = _Server([(200, verdict), (200, verdict)])
+    store = Store()
+    try:
+        results = run_eval(_recipe(f"reward.judge.base_url={judge.url}"), model="scripted",
+                           model_tag="s", benchmarks=["mathverse", "vstar"], run_id="judged",
+                           store=store, data_dirs=_dirs(data_root, ["mathverse", "vstar"]),
+                           limit=2, policy=_tool_then_answer("print(1)"), show_progress=False)
+    finally:
+        judge.close()
+    # "A" is wrong for both by the rules (gold C and 3/2); the judge says right, twice.
+    assert results["mathverse"]["gpt_eval_score"] == 1.0 and results["mathverse"]["judged"] == 1.0
+    assert len(judge.requests) == 2
+    assert all("\nModel answer: A\n" in r["messages"][0]["content"] for r in judge.requests)
+    scorers = {r["benchmark"]: r["scorer"] for r in store.eval_records("judged")}
+    assert scorers["mathverse"].endswith("; judge Qwen/Qwen2.5-72B-Instruct")
+    assert scorers["vstar"] == get_benchmark("vstar").reference  # V* has no judge
+
+
 # -- resume ---------------------------------------------------------------------------------------
 
 

@@ -6,7 +6,9 @@ or a synthetic held-out folder), skip the samples already stored for this run an
 benchmarks; on-demand video context for video ones, or uniform frames with
 ``agent.video_context: uniform``), store each trajectory with its per-sample scores as soon as it
 finishes, and finally store the aggregate under the metric names lmms-eval uses, with the
-benchmark version, prompt version and scorer.
+benchmark version, prompt version and scorer. With ``reward.judge.base_url`` set, benchmarks whose
+official scorer asks an LLM (MathVerse; HR-Bench where its rules fail) ask that judge, fall back
+to their rules when it does not answer, and record the judge model in the scorer.
 
 Everything a user can get wrong (a missing data file, an undecodable image or video, a model
 folder that does not load, a server that does not answer) is checked for every benchmark before
@@ -39,6 +41,7 @@ class _Plan:
     bench: Benchmark
     tasks: list[Task]
     done: set[str]
+    scorer: str
 
     @property
     def pending(self) -> list[Task]:
@@ -128,12 +131,16 @@ def run_eval(recipe: Recipe, *, model: str, model_tag: str, benchmarks: list[str
     cfg = recipe.eval
     engine = engine or cfg.engine
     limit = limit if limit is not None else cfg.limit
+    judge = _judge(recipe, store)
     plans: list[_Plan] = []
     for name in dict.fromkeys(benchmarks):  # a name given twice runs once
-        bench = get_benchmark(name)
+        judged = _judge_kwargs(name, judge)
+        bench = get_benchmark(name, **judged)
+        # The judge is part of the scorer: its model is stored with every score it touched.
+        scorer = bench.reference + (f"; judge {recipe.reward.judge.model}" if judged else "")
         data_dir = (data_dirs or {}).get(name) or cfg.data_dir
         tasks = bench.load(data_dir=data_dir, limit=limit)
-        plan = _Plan(name, bench, tasks, store.eval_sample_ids(run_id, model_tag, name))
+        plan = _Plan(name, bench, tasks, store.eval_sample_ids(run_id, model_tag, name), scorer)
         check_media(name, plan.pending)
         plans.append(plan)
     if policy is None and any(p.pending for p in plans):
@@ -149,7 +156,7 @@ def run_eval(recipe: Recipe, *, model: str, model_tag: str, benchmarks: list[str
     batch = cfg.concurrency if engine == "openai" else cfg.batch_size
     results: dict[str, dict[str, float]] = {}
     for plan in plans:
-        name, bench, pending = plan.name, plan.bench, plan.pending
+        name, bench, pending, scorer = plan.name, plan.bench, plan.pending, plan.scorer
         by_id = {t.id: t for t in plan.tasks}
         start = time.monotonic()
         progress = _Progress(show_progress, f"eval {model_tag} on {name}", len(plan.tasks),
@@ -162,7 +169,7 @@ def run_eval(recipe: Recipe, *, model: str, model_tag: str, benchmarks: list[str
                 rec = EvalRecord(
                     run_id=run_id, model=model_tag, benchmark=name, sample_id=task.id,
                     benchmark_version=bench.version, prompt_version=traj.prompt_version,
-                    prompt_hash=traj.prompt_hash, scorer=bench.reference,
+                    prompt_hash=traj.prompt_hash, scorer=scorer,
                     prediction=traj.final_answer, stop_reason=traj.stop_reason,
                     turns=traj.num_turns, tool_calls=traj.tool_calls,
                     failed_calls=traj.failed_calls, visual_tokens=traj.visual_tokens,
@@ -182,7 +189,7 @@ def run_eval(recipe: Recipe, *, model: str, model_tag: str, benchmarks: list[str
         store.set_eval_aggregate(run_id, model_tag, name, aggregate, n=len(samples),
                                  benchmark_version=bench.version,
                                  prompt_version=",".join(sorted(prompt_versions)),
-                                 scorer=bench.reference)
+                                 scorer=scorer)
         results[name] = aggregate
         elapsed = time.monotonic() - start
         head = aggregate.get(bench.primary_metric)
@@ -192,6 +199,27 @@ def run_eval(recipe: Recipe, *, model: str, model_tag: str, benchmarks: list[str
                       f"{'-' if head is None else f'{100 * head:.1f}%'} over {len(samples)} samples"
                       f" ({len(pending)} new, {rate:.2f} samples/s)")
     return results
+
+
+def _judge(recipe: Recipe, store: Store) -> Any:
+    """The LLM judge of ``reward.judge`` (cached in the store), or None when none is configured."""
+    if not recipe.reward.judge.base_url:
+        return None
+    from pipelines.rl.judge import Judge
+
+    return Judge(recipe.reward.judge, store=store)
+
+
+def _judge_kwargs(name: str, judge: Any) -> dict[str, Any]:
+    """``{"judge": fn}`` for benchmarks whose official scorer uses an LLM judge, else ``{}``."""
+    import inspect
+
+    from benchmarks import benchmark_class
+
+    if judge is None or "judge" not in inspect.signature(benchmark_class(name)).parameters:
+        return {}
+    return {"judge": lambda question, prediction, gold: judge.judge(question, prediction, gold,
+                                                                     name)}
 
 
 class _Progress:
