@@ -49,7 +49,9 @@ def _stage_rl(recipe: Recipe, sd: StageDir, show: bool) -> dict[str, Any]:
     from pipelines.rl.stage import resolve_rl_inputs, run_rl
 
     model, tasks = resolve_rl_inputs(recipe, sd)
-    resume = bool(list_checkpoints(sd.path / "checkpoints"))
+    # verl tracks its own checkpoints (global_step_N/ and this file) in the same folder.
+    resume = bool(list_checkpoints(sd.path / "checkpoints")) or \
+        (sd.path / "checkpoints" / "latest_checkpointed_iteration.txt").is_file()
     return run_rl(recipe, sd, model=model, task_dirs=tasks, resume=resume, show_progress=show)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import os
 import sys
 import threading
 import types
@@ -375,3 +376,185 @@ def test_reward_entry_through_verls_naive_reward_manager(tiny_model_dir, tmp_pat
         assert (r["score"], r["judged"], r["judge_fallback"]) == (pytest.approx(1.1), 1.0, 0.0)
     finally:
         server.shutdown()
+
+
+# -- launch: dry run through the CLI, the subprocess path with a fake interpreter -----------------
+
+FAKE_VERL = '''#!{python}
+import json, os, pathlib, sys, time
+if sys.argv[1] == "-c":  # the launcher's interpreter check
+    print(json.dumps({{"python": "3.11", "verl": "0.9.1", "backend": True, "transfer_queue": True}}))
+    sys.exit(0)
+assert sys.argv[1:3] == ["-m", "verl.trainer.main_ppo"], sys.argv
+args = dict(a.lstrip("+").split("=", 1) for a in sys.argv[3:])
+log = pathlib.Path(os.environ["VERL_FILE_LOGGER_PATH"])
+assert str(log) == args["ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH"]
+pathlib.Path("fake_env.json").write_text(json.dumps(
+    {{"RAY_ADDRESS": os.environ.get("RAY_ADDRESS"), "PYTHONPATH": os.environ.get("PYTHONPATH"),
+      "cwd": os.getcwd(), "args": args}}))
+for i in range({noise}):
+    print(f"(TaskRunner pid=1) noise line {{i}}", flush=True)
+if {code}:
+    print("RuntimeError: CUDA out of memory", flush=True)
+    sys.exit({code})
+ckpt = pathlib.Path(args["trainer.default_local_dir"])
+tracker = ckpt / "latest_checkpointed_iteration.txt"
+start = int(tracker.read_text()) if args["trainer.resume_mode"] == "auto" and tracker.exists() else 0
+print("Total training steps: 3", flush=True)
+with open(log, "wb", buffering=0) as fh:  # as verl's FileLogger opens it
+    for step in range(start + 1, 4):
+        data = {{"critic/score/mean": step / 10, "actor/pg_loss": -step, "strategy/kept_groups": 4,
+                 "flag": True, "hist": [1, 2]}}
+        fh.write((json.dumps({{"step": step, "data": data}}) + "\\n").encode())
+        time.sleep(0.05)
+        actor = ckpt / f"global_step_{{step}}" / "actor"
+        actor.mkdir(parents=True, exist_ok=True)
+        (actor / "fsdp_config.json").write_text("{{}}")
+        tracker.write_text(str(step))
+'''
+
+
+def _fake_verl(tmp_path: Path, *, code: int = 0, noise: int = 3) -> str:
+    path = tmp_path / "fake-python"
+    path.write_text(FAKE_VERL.format(python=sys.executable, code=code, noise=noise))
+    path.chmod(0o755)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def rl_tasks(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from pipelines.data.synth import synthesize
+
+    out = tmp_path_factory.mktemp("rl-tasks") / "img"
+    synthesize("image-search", 3, 0, out, progress=False)
+    return out
+
+
+def test_dry_run_through_the_cli(rl_tasks, tiny_model_dir, tmp_path):
+    import shlex
+    import stat
+
+    import yaml
+    from typer.testing import CliRunner
+
+    from pyvision_cli.main import app
+
+    result = CliRunner().invoke(app, [
+        "rl", "-c", str(RECIPES_DIR / "pyvision-image-7b.yaml"), "--engine", "verl", "--dry-run",
+        "--json", "--model", str(tiny_model_dir), "--tasks", str(rl_tasks),
+        "--set", f"runs_dir={tmp_path / 'runs'}", "--set", "agent.image_max_pixels=50176"])
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.stdout)
+    stage = tmp_path / "runs" / "pyvision-image-7b" / "rl"
+    assert set(plan) == {"command", "overrides", "run_dir"} and plan["run_dir"] == str(stage)
+    assert plan["command"][1:3] == ["-m", "verl.trainer.main_ppo"]
+    assert plan["command"][3:] == plan["overrides"]
+    cfg = compose_verl(plan["overrides"])  # what the CLI printed is a valid verl configuration
+    assert cfg.actor_rollout_ref.model.path == str(tiny_model_dir)
+    assert cfg.data.train_files == str(stage / "data" / "train.parquet")
+    assert cfg.data.val_files == cfg.data.train_files and cfg.trainer.test_freq == -1  # no val set
+    # launch.sh is executable and runs exactly the printed command.
+    script = stage / "launch.sh"
+    assert script.stat().st_mode & stat.S_IXUSR
+    text = script.read_text()
+    exec_part = text[text.index("exec "):].replace("\\\n", " ")
+    assert shlex.split(exec_part)[1:] == plan["command"]
+    assert f"export VERL_FILE_LOGGER_PATH={stage / 'verl_metrics.jsonl'}" in text
+    assert subprocess_ok(["bash", "-n", str(script)])
+    # The agent-loop registry names V1's class and the run's resolved recipe.
+    entries = yaml.safe_load((stage / "agent_loop.yaml").read_text())
+    assert entries == [{"name": "pyvision_agent",
+                        "_target_": "pipelines.rl.verl.agent_loop.PyVisionAgentLoop",
+                        "recipe": str(stage / "config.yaml")}]
+    written = load_recipe(stage / "config.yaml")
+    assert written.rl.engine == "verl" and written.agent.image_max_pixels == 50176
+    import pyarrow.parquet as pq
+
+    assert pq.read_table(stage / "data" / "train.parquet").num_rows == 3
+    assert not (stage / "verl.log").exists() and not (stage / "manifest.json").exists()
+
+
+def subprocess_ok(argv: list[str]) -> bool:
+    import subprocess
+
+    return subprocess.run(argv, capture_output=True, check=False).returncode == 0
+
+
+def _stage(tmp_path: Path, *sets: str):
+    from pipelines.rundir import stage_dir
+    from pipelines.store import Store
+
+    recipe = load_recipe(RECIPES_DIR / "pyvision-image-7b.yaml",
+                         ("agent.image_max_pixels=50176", *sets))
+    sd = stage_dir(recipe, "rl", "fake", runs_dir=tmp_path / "runs", store=Store())
+    return recipe, sd
+
+
+def test_launch_streams_metrics_and_finishes_with_checkpoints(rl_tasks, tmp_path):
+    from pipelines.merge import _find_actor_dir
+    from pipelines.rl.stage import run_rl
+
+    recipe, sd = _stage(tmp_path, f"rl.verl.python={_fake_verl(tmp_path)}",
+                        "rl.verl.ray_address=auto")
+    sd.begin()
+    stale = sd.path / "checkpoints" / "global_step_99" / "actor"
+    stale.mkdir(parents=True)  # from an earlier run: a fresh run must not merge it
+    summary = run_rl(recipe, sd, model="Qwen/Qwen2.5-VL-7B-Instruct", task_dirs=[str(rl_tasks)],
+                     show_progress=False)
+    assert (summary["steps"], summary["total_steps"], summary["checkpoint_step"]) == (3, 3, 3)
+    rows = sd.store.metrics("fake", "rl")
+    by_step = defaultdict(dict)
+    for r in rows:
+        by_step[r["step"]][r["name"]] = r["value"]
+    assert sorted(by_step) == [1, 2, 3]
+    assert by_step[2]["critic/score/mean"] == pytest.approx(0.2) and by_step[2]["loss"] == -2.0
+    assert "flag" not in by_step[2] and "hist" not in by_step[2]  # only numbers are metrics
+    manifest = sd.manifest()["outputs"]
+    assert manifest["checkpoints"] == str(sd.path / "checkpoints") and not stale.exists()
+    # `pyvision merge --engine verl` (and the merge stage) finds the last step in that folder.
+    assert _find_actor_dir(Path(manifest["checkpoints"])) == sd.path / "checkpoints" / "global_step_3" / "actor"
+    env = json.loads((sd.path / "fake_env.json").read_text())
+    assert env["RAY_ADDRESS"] == "auto" and env["cwd"] == str(sd.path)
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(Path(__file__).resolve().parents[1])
+    assert env["args"]["trainer.resume_mode"] == "disable"
+    assert "Total training steps: 3" in (sd.path / "verl.log").read_text()
+
+    # --resume: verl continues from its tracker; the store forgets what comes after it.
+    (sd.path / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("1")
+    sd.store.log_metrics("fake", "rl", 3, {"stale": 1.0})
+    data_mtime = (sd.path / "data" / "train.parquet").stat().st_mtime_ns
+    summary = run_rl(recipe, sd, model="Qwen/Qwen2.5-VL-7B-Instruct", task_dirs=[str(rl_tasks)],
+                     resume=True, show_progress=False)
+    assert summary["resumed_from"] == 1 and summary["steps"] == 3
+    names_at_3 = [r["name"] for r in sd.store.metrics("fake", "rl") if r["step"] == 3]
+    assert "stale" not in names_at_3 and names_at_3.count("critic/score/mean") == 1
+    assert (sd.path / "data" / "train.parquet").stat().st_mtime_ns == data_mtime  # same data
+
+
+def test_launch_failure_shows_the_tail_and_the_log(rl_tasks, tmp_path, capsys):
+    from pipelines.errors import SubprocessFailed
+
+    recipe, sd = _stage(tmp_path, f"rl.verl.python={_fake_verl(tmp_path, code=3, noise=40)}")
+    sd.begin()
+    from pipelines.rl.verl.launch import launch_verl
+
+    with pytest.raises(SubprocessFailed) as exc:
+        launch_verl(recipe, sd, model="m", task_dirs=[rl_tasks], show_progress=False)
+    assert "exit code 3" in str(exc.value) and str(sd.path / "verl.log") in str(exc.value)
+    err = capsys.readouterr().err
+    assert "CUDA out of memory" in err and "noise line 39" in err and "noise line 1\n" not in err
+    assert "noise line 0" in (sd.path / "verl.log").read_text() and not sd.is_complete()
+
+
+def test_interpreter_without_verl_or_vllm_is_a_user_error(rl_tasks, tmp_path):
+    from pipelines.errors import UserError
+    from pipelines.rl.verl.launch import check_interpreter, launch_verl
+
+    recipe, sd = _stage(tmp_path, "rl.verl.python=/nonexistent/python")
+    sd.begin()
+    with pytest.raises(UserError, match=r"cannot run the verl interpreter.*install verl\[vllm\]"):
+        launch_verl(recipe, sd, model="m", task_dirs=[rl_tasks], show_progress=False)
+    assert (sd.path / "launch.sh").is_file()  # the files are written before the check
+    # This CPU environment has verl 0.9.1 but neither vLLM nor TransferQueue.
+    with pytest.raises(UserError, match=r"has no vllm.*install verl\[vllm\]==0\.9\.1 in a GPU"):
+        check_interpreter(sys.executable, "vllm")

@@ -110,6 +110,10 @@ class VerlEngineConfig(Section):
     test_freq: int = Field(20, ge=-1, le=1_000_000)
     """Validate every N steps (paper: 20; -1 disables)."""
 
+    val_tasks: list[str] = []
+    """Task folders for verl's validation every `test_freq` steps; empty: the data stage's
+    held-out synthetic sets, and without any, validation is off."""
+
     extra_overrides: list[str] = []
     """Hydra overrides appended verbatim (`key=value`), for settings not modelled here."""
 
