@@ -474,6 +474,27 @@ def test_dry_run_through_the_cli(rl_tasks, tiny_model_dir, tmp_path):
     assert not (stage / "verl.log").exists() and not (stage / "manifest.json").exists()
 
 
+def test_dry_run_rewrites_an_unstarted_stage_but_never_a_begun_one(rl_tasks, tmp_path):
+    from pipelines.errors import UserError
+    from pipelines.rl.verl.launch import launch_verl
+
+    recipe, sd = _stage(tmp_path)
+    other, sd_other = _stage(tmp_path, "rl.n=4")  # the same run id and stage, another config
+    launch_verl(recipe, sd, model="m", task_dirs=[rl_tasks], dry_run=True)
+    plan = launch_verl(other, sd_other, model="m", task_dirs=[rl_tasks], dry_run=True)
+    assert "actor_rollout_ref.rollout.n=4" in plan["overrides"]
+    assert load_recipe(sd.path / "config.yaml").rl.n == 4  # what the loop and reward will read
+    # Like any re-run with another config, a real run of rl.n=8 is refused until --force ...
+    with pytest.raises(UserError, match="different config.*--force"):
+        sd.begin()
+    sd.begin(force=True)
+    assert load_recipe(sd.path / "config.yaml").rl.n == 8
+    # ... and once a stage has begun, its config.yaml is the record: a dry run never rewrites it.
+    with pytest.raises(UserError, match="different config"):
+        launch_verl(other, sd_other, model="m", task_dirs=[rl_tasks], dry_run=True)
+    assert load_recipe(sd.path / "config.yaml").rl.n == 8
+
+
 def subprocess_ok(argv: list[str]) -> bool:
     import subprocess
 

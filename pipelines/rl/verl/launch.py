@@ -13,7 +13,10 @@ read, repeated by hand (``bash launch.sh``) or started from another machine:
     verl_metrics.jsonl   verl's file logger, one line per step (streamed into the store)
     checkpoints/         verl's checkpoints (global_step_N/actor), read by `pyvision merge`
 
-``--dry-run`` stops after writing these files and returns the command. Otherwise the interpreter
+``--dry-run`` stops after writing these files and returns the command. It records the resolved
+recipe as the stage's ``config.yaml`` (the launch files point there), so, as for any re-run with
+another config, a later real run with a different config is refused until ``--force``; once the
+stage has begun, a dry run never rewrites that record. Otherwise the interpreter
 is checked first (verl 0.9.1 with the rollout backend and TransferQueue, without importing them),
 then verl runs as a subprocess under ``rl.verl.python`` (its own GPU environment: ``verl[vllm]``
 cannot share one with LLaMA-Factory) with ``RAY_ADDRESS`` set when ``rl.verl.ray_address`` is.
@@ -163,9 +166,11 @@ def write_launch_files(recipe: Recipe, sd: StageDir, *, model: str, task_dirs: l
     """Everything ``launch.sh`` needs, written into the stage; (command, overrides, env)."""
     paths = VerlPaths(sd.path)
     sd.path.mkdir(parents=True, exist_ok=True)
-    if not paths.recipe.is_file():
-        # The stage normally records it in StageDir.begin(); a dry run does not begin the stage.
-        sd.check_same_config()
+    if (sd.path / "environment.json").is_file():
+        sd.check_same_config()  # a begun stage: its config.yaml is the record, never rewritten
+    else:
+        # A dry run does not begin the stage (StageDir.begin writes config.yaml), but the agent
+        # loop and the reward named in the launch files read the recipe from there.
         atomic_write_text(paths.recipe, yaml.safe_dump(recipe.model_dump(mode="json"),
                                                        sort_keys=False))
     has_val = _export(recipe, sd, paths, task_dirs, resume)
