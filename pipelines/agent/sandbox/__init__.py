@@ -204,6 +204,32 @@ def _sandbox_env() -> dict[str, str]:
 # -- the zygote ---------------------------------------------------------------------------------
 
 
+def _popen_from_lasting_thread(argv: list[str], **kwargs: Any) -> subprocess.Popen:
+    """``Popen`` from a thread that lives as long as the child.
+
+    bwrap's ``--die-with-parent`` is PR_SET_PDEATHSIG, which fires when the *thread* that forked
+    the child exits: a zygote started from a short-lived thread (a ThreadPoolExecutor worker of
+    an agent loop) would be killed, with every live sandbox, as soon as that thread ended.
+    """
+    out: dict[str, Any] = {}
+    started = threading.Event()
+
+    def parent() -> None:
+        try:
+            out["proc"] = subprocess.Popen(argv, **kwargs)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the calling thread
+            out["error"] = exc
+        started.set()
+        if "proc" in out:
+            out["proc"].wait()
+
+    threading.Thread(target=parent, name="sandbox-zygote-parent", daemon=True).start()
+    started.wait()
+    if "error" in out:
+        raise out["error"]
+    return out["proc"]
+
+
 class _Zygote:
     """One sandboxed parent process per host process and mode; forks one worker per sandbox."""
 
@@ -237,9 +263,9 @@ class _Zygote:
             env = {**_sandbox_env(), "HOME": self.tmp_base, "MPLCONFIGDIR": self.tmp_base,
                    "TMPDIR": self.tmp_base}
             cwd = self.tmp_base
-        self.proc = subprocess.Popen(argv, pass_fds=[fd], stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                     env=env, cwd=cwd, start_new_session=True)
+        self.proc = _popen_from_lasting_thread(
+            argv, pass_fds=[fd], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE, env=env, cwd=cwd, start_new_session=True)
         child.close()
         self.control = host
         threading.Thread(target=self._drain_stderr, daemon=True).start()
