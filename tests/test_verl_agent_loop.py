@@ -91,34 +91,40 @@ def _row(task: Task, root: Path, index: int = 0) -> dict[str, Any]:
             "tools_kwargs": {}, "priority": np.int64(3)}
 
 
-def _run(parts: dict, server: Any, recipe: Path, row: dict, *,
-         response_length: int = RESPONSE_LENGTH) -> tuple[Any, Any]:
-    """Instantiate the loop exactly as AgentLoopWorker._run_agent_loop does, inside a running
-    event loop, and run it; return (loop object, AgentLoopOutput)."""
+def _run_rows(parts: dict, server: Any, recipe: Path, rows: list[dict], *,
+              response_length: int = RESPONSE_LENGTH) -> list[tuple[Any, Any]]:
+    """Instantiate one loop per row exactly as AgentLoopWorker._run_agent_loop does, inside a
+    running event loop, and run them concurrently; return (loop object, AgentLoopOutput) pairs."""
     import hydra
 
     entry = OmegaConf.create([{"name": "pyvision_agent", "_target_": TARGET,
                                "recipe": str(recipe)}])[0]
     config = _trainer_config(response_length)
+    # What AgentLoopWorker.generate_sequences passes (validation: greedy).
+    sampling = {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0,
+                "logprobs": True}
 
-    async def main():
+    async def one(row: dict) -> tuple[Any, Any]:
         loop = hydra.utils.instantiate(
             config=entry, trainer_config=DictConfigWrap(config=config), server_manager=server,
             tokenizer=parts["tokenizer"], processor=parts["processor"],
             hf_model_type=parts["model_type"], dataset_cls=object,
             data_config=DictConfigWrap(config.data), tools=ToolListWrap([]))
-        # What AgentLoopWorker.generate_sequences passes (validation: greedy).
-        sampling = {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0,
-                    "logprobs": True}
-        return loop, await loop.run(sampling, **row)
+        return loop, await loop.run(dict(sampling), **row)
+
+    async def main():
+        return await asyncio.gather(*(one(row) for row in rows))
 
     return asyncio.run(main())
 
 
-def _verl_postprocess(parts: dict, output: Any, row: dict,
-                      response_length: int = RESPONSE_LENGTH) -> tuple[Any, Any]:
-    """verl's per-sample post-processing and batch assembly, on a worker holding only what those
-    two methods read."""
+def _run(parts: dict, server: Any, recipe: Path, row: dict, *,
+         response_length: int = RESPONSE_LENGTH) -> tuple[Any, Any]:
+    return _run_rows(parts, server, recipe, [row], response_length=response_length)[0]
+
+
+def _verl_worker(parts: dict, response_length: int = RESPONSE_LENGTH) -> AgentLoopWorker:
+    """An AgentLoopWorker holding only what its post-processing methods read."""
     worker = AgentLoopWorker.__new__(AgentLoopWorker)
     worker.config = _trainer_config(response_length)
     worker.rollout_config = worker.config.actor_rollout_ref.rollout
@@ -126,30 +132,38 @@ def _verl_postprocess(parts: dict, output: Any, row: dict,
     worker.mm_processor_kwargs = {}
     worker.reward_loop_worker_handles = None
     worker.distillation_enabled = False
+    return worker
 
-    async def main():
-        return await worker._agent_loop_postprocess(output, False, **row)
 
-    internal = asyncio.run(main())
+def _verl_postprocess(parts: dict, output: Any, row: dict,
+                      response_length: int = RESPONSE_LENGTH) -> tuple[Any, Any]:
+    """verl's per-sample post-processing (padding, multimodal inputs, mrope positions) and batch
+    assembly."""
+    worker = _verl_worker(parts, response_length)
+    internal = asyncio.run(worker._agent_loop_postprocess(output, False, **row))
     return internal, worker._postprocess([internal])
 
 
 # -- stand-ins for verl's server manager ---------------------------------------------------------
 
 class ScriptedServer:
-    """Returns fixed token sequences, one per call, as vLLM would (eos included)."""
+    """Turn k of every trajectory (request id) is ``turns[k]``, token ids as vLLM returns them
+    (eos included)."""
 
     def __init__(self, tokenizer: Any, turns: list[list[int]]):
         self.tokenizer, self.turns, self.calls = tokenizer, list(turns), []
+
+    def turn(self, request_id: str) -> int:
+        return sum(1 for c in self.calls if c["request_id"] == request_id)
 
     async def generate(self, request_id: str, *, prompt_ids: list[int],
                        sampling_params: dict[str, Any], image_data: list | None = None,
                        video_data: list | None = None, mm_processor_kwargs: dict | None = None,
                        **kwargs: Any) -> TokenOutput:
+        ids = self.turns[self.turn(request_id)][: sampling_params["max_tokens"]]
         self.calls.append({"request_id": request_id, "prompt_ids": list(prompt_ids),
                            "params": dict(sampling_params), "images": list(image_data or []),
                            "mm_processor_kwargs": mm_processor_kwargs, **kwargs})
-        ids = self.turns.pop(0)[: sampling_params["max_tokens"]]
         return TokenOutput(token_ids=ids, log_probs=[LOGPROB] * len(ids) if
                            sampling_params.get("logprobs") else None, stop_reason="completed",
                            extra_fields={"global_steps": 7, "min_global_steps": 7,
@@ -169,7 +183,7 @@ class TinyModelServer(ScriptedServer):
                        **kwargs: Any) -> TokenOutput:
         import torch
 
-        if self.turns:
+        if self.turn(request_id) < len(self.turns):
             return await super().generate(request_id, prompt_ids=prompt_ids,
                                           sampling_params=sampling_params,
                                           image_data=image_data, **kwargs)
@@ -400,6 +414,64 @@ def test_video_trajectory_images_come_only_from_code(verl_parts, video_task, tmp
     assert internal.multi_modal_inputs["image_grid_thw"].shape[0] == 2
 
 
+def test_exported_rows_read_by_verl_run_as_one_batch(verl_parts, tmp_path):
+    """Rows written by our verl export and read by verl's RLHFDataset, each rolled out twice
+    (rollout.n) concurrently, then post-processed and stacked into one batch: image rows (image in
+    the context) and video rows (no image until the code shows one) side by side."""
+    from verl.utils.dataset.rl_dataset import RLHFDataset, collate_fn
+
+    from pipelines.data.export_verl import export_verl
+    from pipelines.data.synth import synthesize
+
+    tok = verl_parts["tokenizer"]
+    synthesize("image-search", 2, 0, tmp_path / "img", progress=False)
+    synthesize("video", 1, 0, tmp_path / "vid", progress=False)
+    recipe = _recipe(tmp_path, max_new_tokens_per_turn=128)
+    agent = load_recipe(recipe).agent
+    info = export_verl([tmp_path / "img", tmp_path / "vid"], tmp_path / "out", name="rl",
+                       agent_cfg=agent)
+    config = OmegaConf.create({"max_prompt_length": PROMPT_LENGTH, "filter_overlong_prompts": False,
+                               "cache_dir": str(tmp_path / "cache")})
+    dataset = RLHFDataset(info["train"], tok, config, processor=verl_parts["processor"])
+    batch = collate_fn([dataset[i] for i in range(len(dataset)) for _ in range(2)])
+    columns = {k: v for k, v in batch.items() if isinstance(v, np.ndarray)}
+    rows = [{**{k: v[i] for k, v in columns.items()}, "priority": np.int64(i)}
+            for i in range(len(columns["index"]))]
+
+    show = ("<code>\n```python\nplt.imshow(np.zeros((40, 60))); plt.show()\nprint('shown')\n"
+            "```\n</code>")
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    server = ScriptedServer(tok, [_encode(tok, show),
+                                  _encode(tok, "<answer>\n\\boxed{A}\n</answer>") + [im_end]])
+    outputs = [out for _, out in _run_rows(verl_parts, server, recipe, rows)]
+
+    assert len({c["request_id"] for c in server.calls}) == len(rows) == 6
+    pad = tok.convert_tokens_to_ids("<|image_pad|>")
+    for row, out in zip(rows, outputs):
+        task = Task.model_validate_json(row["extra_info"]["task"])
+        n_prompt_images = len(task.images)
+        assert out.extra_fields["stop_reason"] == "answered", out.extra_fields
+        assert len(out.multi_modal_data["images"]) == n_prompt_images + 1
+        assert len(_pad_runs(out.prompt_ids, pad)) == n_prompt_images
+        assert len(_pad_runs(out.prompt_ids + out.response_ids, pad)) == n_prompt_images + 1
+        assert out.extra_fields["successful_calls"] == 1
+        assert "Text Result:\nshown\nImage Result:" in tok.decode(out.response_ids)
+
+    worker = _verl_worker(verl_parts)
+
+    async def post():
+        return [await worker._agent_loop_postprocess(out, False, **row)
+                for row, out in zip(rows, outputs)]
+
+    internals = asyncio.run(post())
+    data = worker._postprocess(internals, input_non_tensor_batch=columns)
+    assert data.batch["input_ids"].shape == (6, PROMPT_LENGTH + RESPONSE_LENGTH)
+    assert data.batch["position_ids"].shape == (6, 4, PROMPT_LENGTH + RESPONSE_LENGTH)
+    grids = [mmi["image_grid_thw"].shape[0] for mmi in data.non_tensor_batch["multi_modal_inputs"]]
+    assert grids == [len(out.multi_modal_data["images"]) for out in outputs]
+    assert list(data.non_tensor_batch["well_formed"]) == [True] * 6
+
+
 def test_turn_and_response_limits(verl_parts, image_task, tmp_path):
     tok = verl_parts["tokenizer"]
     code_ids = _encode(tok, CODE_TURN)
@@ -460,3 +532,25 @@ def test_row_without_task_is_a_data_error(verl_parts, image_task, tmp_path):
     row["extra_info"] = {"index": 4, "split": "train"}
     with pytest.raises(DataError, match="verl row index 4 has no extra_info.task"):
         _run(verl_parts, ScriptedServer(verl_parts["tokenizer"], []), _recipe(tmp_path), row)
+
+
+def test_sandboxes_outlive_the_thread_that_started_the_zygote():
+    """Each trajectory runs in its own short-lived threads; the first one starts the sandbox
+    zygote, and bwrap's --die-with-parent would kill it (and every live sandbox) when that
+    thread ends."""
+    import threading
+    import time
+
+    from pipelines.agent import sandbox
+    from pipelines.config.sandbox import SandboxConfig
+
+    sandbox.shutdown()  # the next sandbox starts a fresh zygote, from the thread below
+    made: dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: made.setdefault(
+        "box", sandbox.Sandbox(SandboxConfig(timeout_s=20))))
+    thread.start()
+    thread.join()
+    time.sleep(0.3)  # the parent-death signal would have arrived by now
+    with made["box"] as box:
+        result = box.run("print(6 * 7)")
+    assert (result.status, result.stdout) == ("ok", "42\n")
