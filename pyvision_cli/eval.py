@@ -51,6 +51,15 @@ def evaluate(
     if max_turns is not None:
         overrides.append(f"agent.max_turns_eval={max_turns}")
     recipe = load_recipe(config, overrides)
+    if config is None:
+        # The embedded recipe is sized for the tiny CPU model; a real model evaluated with it
+        # would see downscaled images and few turns without saying so.
+        a = recipe.agent
+        err.print(f"[yellow]note:[/] no -c given: the tiny-cpu recipe's agent settings apply "
+                  f"(max_turns_eval={a.max_turns_eval}, image_max_pixels={a.image_max_pixels}, "
+                  f"max_new_tokens_per_turn={a.max_new_tokens_per_turn}); for a 7B model pass "
+                  f"-c pipelines/recipes/pyvision-image-7b.yaml (or pyvision-video-7b.yaml)",
+                  soft_wrap=True)
     names = [b.strip() for b in benchmarks.split(",") if b.strip()] if benchmarks \
         else list(recipe.eval.benchmarks)
     from pipelines.store import Store

@@ -116,6 +116,7 @@ def test_cli_runs_all_five_from_one_data_dir(tiny_model_dir: Path, data_root: Pa
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert data["run_id"] == "cli" and list(data["results"]) == FIVE
+    assert "no -c given: the tiny-cpu recipe's agent settings apply" in result.stderr
     store = Store()
     assert [r["run_id"] for r in store.runs()] == ["cli"]
     records = store.eval_records("cli")
