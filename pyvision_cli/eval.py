@@ -47,6 +47,13 @@ def evaluate(
         raise UserError(f"unknown --engine '{engine}'", hint="use hf, openai or vllm")
     if harness not in ("pyvision", "lmms-eval"):
         raise UserError(f"unknown --harness '{harness}'", hint="use pyvision or lmms-eval")
+    if harness == "lmms-eval" and data_dir is not None:
+        raise UserError("--data-dir is not used by --harness lmms-eval (its tasks load their own "
+                        "data)", hint="write a local task YAML (dataset_path: json, data_files) "
+                        "and pass its folder with --include-path")
+    if harness == "pyvision" and include_path is not None:
+        raise UserError("--include-path only applies to --harness lmms-eval",
+                        hint="drop it, or add --harness lmms-eval")
     overrides = list(set_ or [])
     if max_turns is not None:
         overrides.append(f"agent.max_turns_eval={max_turns}")

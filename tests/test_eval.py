@@ -311,12 +311,15 @@ def test_missing_local_model_is_exit_2_and_writes_nothing(data_root: Path, tmp_p
     _assert_clean_failure(result, "cannot load model")
 
 
-def test_unknown_engine_and_benchmark_are_exit_2(data_root: Path) -> None:
+def test_unknown_engine_benchmark_or_option_mix_is_exit_2(data_root: Path) -> None:
     result = runner.invoke(app, ["--model", "m", "--engine", "tgi", "--data-dir", str(data_root)])
     _assert_clean_failure(result, "unknown --engine 'tgi'")
     result = runner.invoke(app, ["--model", "m", "--benchmarks", "vstr", "--data-dir",
                                  str(data_root)])
     _assert_clean_failure(result, "did you mean 'vstar'")
+    result = runner.invoke(app, ["--model", "m", "--harness", "lmms-eval", "--data-dir",
+                                 str(data_root)])
+    _assert_clean_failure(result, "--data-dir is not used by --harness lmms-eval")
 
 
 # -- pyvision eval score --------------------------------------------------------------------------
