@@ -126,3 +126,15 @@ def test_cli_export_verl(task_dirs, tmp_path):
     result = runner.invoke(app, ["data", "export", "--format", "verl", "--source",
                                  str(tmp_path / "none"), "--out", str(out)])
     assert result.exit_code == 2 and "tasks file not found" in result.output
+
+
+def test_parallel_export_writes_the_same_rows(task_dirs, tmp_path, monkeypatch):
+    import pyarrow.parquet as pq
+
+    from pipelines.data import export_verl as module
+
+    serial = export_verl(list(task_dirs), tmp_path / "serial", agent_cfg=AGENT)
+    monkeypatch.setattr(module, "PARALLEL_MIN_ROWS", 2)
+    monkeypatch.setattr(module.os, "cpu_count", lambda: 2)
+    parallel = export_verl(list(task_dirs), tmp_path / "parallel", agent_cfg=AGENT)
+    assert pq.read_table(serial["train"]).to_pylist() == pq.read_table(parallel["train"]).to_pylist()

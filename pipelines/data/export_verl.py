@@ -132,28 +132,59 @@ def _write_parquet(rows: list[dict[str, Any]], path: Path) -> Path:
     return path
 
 
+# Each row opens its images (the prompt states their size) and resizes them as the local engine
+# does, about 50 ms per image task: large exports use every core, small ones skip the pool's start-up.
+PARALLEL_MIN_ROWS = 64
+
+
+def _try_row(job: tuple) -> tuple[dict[str, Any] | None, str | None, str | None]:
+    task, root, agent_cfg, index, split, frames_dir, frames_final = job
+    try:
+        return task_row(task, root, agent_cfg, index=index, split=split, frames_dir=frames_dir,
+                        frames_final=frames_final), None, None
+    except DataError as exc:
+        return None, exc.message, exc.hint
+
+
 def _rows(sources: Iterable[str | Path], agent_cfg: AgentConfig, *, split: str, strict: bool,
           frames_dir: Path, frames_final: Path, counts: Counter,
           reports: list[ReadReport]) -> list[dict[str, Any]]:
-    rows: list[dict[str, Any]] = []
+    jobs, owners = [], []
     for src in sources:
         tasks, report = read_tasks(src, strict=strict)
         reports.append(report)
         root = Path(report.path).parent
         for task in tasks:
-            try:
-                row = task_row(task, root, agent_cfg, index=len(rows), split=split,
-                               frames_dir=frames_dir, frames_final=frames_final)
-            except DataError as exc:
-                where = f"{report.path}: row '{task.id}'"
+            jobs.append((task, root, agent_cfg, len(jobs), split, frames_dir, frames_final))
+            owners.append(report)
+    workers = min(os.cpu_count() or 1, 16)
+    if len(jobs) < PARALLEL_MIN_ROWS or workers == 1:
+        results = map(_try_row, jobs)
+    else:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        # fork: the children only decode and resize images (no torch, no OpenMP), and unlike
+        # spawn it does not re-run the caller's script (a script without a __main__ guard).
+        pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
+        results = pool.map(_try_row, jobs, chunksize=16)
+    rows: list[dict[str, Any]] = []
+    try:
+        for job, report, (row, message, hint) in zip(jobs, owners, results):
+            if row is None:
+                where = f"{report.path}: row '{job[0].id}'"
                 if strict:
-                    raise DataError(f"{where}: {exc.message}", hint=exc.hint) from None
-                reason = "placeholder_mismatch" if "placeholders" in exc.message else "bad_media"
-                report.skip(reason, where, exc.message)
+                    raise DataError(f"{where}: {message}", hint=hint)
+                reason = "placeholder_mismatch" if "placeholders" in str(message) else "bad_media"
+                report.skip(reason, where, str(message))
                 report.kept -= 1
                 continue
+            row["extra_info"]["index"] = len(rows)  # contiguous after skipped rows
             counts[row["extra_info"]["prompt_version"]] += 1
             rows.append(row)
+    finally:
+        if len(jobs) >= PARALLEL_MIN_ROWS and workers > 1:
+            pool.shutdown(cancel_futures=True)
     return rows
 
 
