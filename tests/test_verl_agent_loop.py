@@ -413,6 +413,15 @@ def test_video_trajectory_images_come_only_from_code(verl_parts, video_task, tmp
     internal, _ = _verl_postprocess(verl_parts, out, row)
     assert internal.multi_modal_inputs["image_grid_thw"].shape[0] == 2
 
+    # Answered without looking: no image anywhere, which verl must accept as a text-only sample.
+    server = ScriptedServer(tok, [_encode(tok, "<answer>\n\\boxed{12}\n</answer>") + [im_end]])
+    _, out = _run(verl_parts, server, _recipe(tmp_path), row)
+    assert out.multi_modal_data == {} and out.extra_fields["produced_image"] is False
+    assert out.extra_fields["tool_calls"] == 0 and out.extra_fields["well_formed"] is True
+    internal, _ = _verl_postprocess(verl_parts, out, row)
+    assert "image_grid_thw" not in internal.multi_modal_inputs
+    assert internal.position_ids.shape == (1, 4, PROMPT_LENGTH + RESPONSE_LENGTH)
+
 
 def test_exported_rows_read_by_verl_run_as_one_batch(verl_parts, tmp_path):
     """Rows written by our verl export and read by verl's RLHFDataset, each rolled out twice

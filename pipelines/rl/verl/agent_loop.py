@@ -77,9 +77,9 @@ from pipelines.errors import DataError, UserError
 
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>",
                  "<|video_pad|>")
-# Trajectories block a thread each while they wait for the server; verl runs a few hundred per
-# worker at most, and an idle thread costs little.
-EPISODE_THREADS = int(os.environ.get("PYVISION_VERL_EPISODE_THREADS", "512"))
+# Trajectories block a thread each while they wait for the server; an AgentLoopWorker runs a
+# few hundred at a time at most, and a waiting thread costs little. Beyond this they queue.
+EPISODE_THREADS = 512
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
@@ -289,8 +289,8 @@ class PyVisionAgentLoop(AgentLoopBase):
             raise DataError(f"{where}: extra_info.task is not a valid task "
                             f"({exc.errors()[0]['msg']})",
                             hint="re-export the RL data with this version of pyvision") from None
-        if not root and (task.images or task.video) and not all(
-                Path(p).is_absolute() for p in [*task.images, *([task.video] if task.video else [])]):
+        relative = [p for p in [*task.images, task.video] if p and not Path(p).is_absolute()]
+        if relative and not root:
             raise DataError(f"{where}: task {task.id} has relative media paths but no "
                             "extra_info.media_root", hint="re-export the RL data")
         return task, Path(root or ".")
