@@ -50,7 +50,7 @@ REWARD_PATH = "pkg://pipelines.rl.verl.reward"
 SAMPLER_PATH = "pkg://pipelines.rl.verl.ranking"
 SAMPLER_NAME = "PyVisionReplayBuffer"
 MAX_ROUNDS = 3  # generation rounds per step, as the local engine (pipelines.rl.verl.ranking)
-_SAFE = re.compile(r"^[A-Za-z0-9_./@+-]+$")
+_SAFE = re.compile(r"^[A-Za-z0-9_./@+:-]+$")
 _NOT_STRINGS = re.compile(r"^([-+]?[0-9._]+([eE][-+]?[0-9]+)?|true|false|null|none|nan|inf)$",
                           re.IGNORECASE)
 
