@@ -98,22 +98,24 @@ class Rollouts:
         return n
 
 
+# Modules that bind `transfer_queue` at import: forgotten after each test, so none keeps the stand-in.
+TQ_BOUND = ("transfer_queue", "verl.trainer.ppo.v1", "verl.trainer.ppo.padding_utils",
+            "verl.utils.transferqueue_utils", "pipelines.rl.verl.ranking")
+
+
 @pytest.fixture()
-def ranking(monkeypatch):
+def ranking():
     """pipelines.rl.verl.ranking imported against the stand-in (and forgotten afterwards)."""
     tq = FakeTQ()
-    names = ("transfer_queue", "verl.trainer.ppo.v1.replay_buffer", "pipelines.rl.verl.ranking")
-    saved = {n: sys.modules.get(n) for n in names}
+    before = dict(sys.modules)
+    for name in [n for n in sys.modules if n.startswith(TQ_BOUND)]:
+        del sys.modules[name]
     sys.modules["transfer_queue"] = tq
-    for n in names[1:]:
-        sys.modules.pop(n, None)
     module = importlib.import_module("pipelines.rl.verl.ranking")
     yield module, tq
-    for n, m in saved.items():
-        if m is None:
-            sys.modules.pop(n, None)
-        else:
-            sys.modules[n] = m
+    for name in [n for n in sys.modules if n.startswith(TQ_BOUND)]:
+        del sys.modules[name]
+    sys.modules.update({n: m for n, m in before.items() if n.startswith(TQ_BOUND)})
 
 
 def _buffer(module, rollouts: Rollouts, **kwargs):
