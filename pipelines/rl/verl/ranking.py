@@ -69,8 +69,7 @@ from pipelines.config.rl import StrategyConfig
 from pipelines.rl.strategy import Group, Rollout, Selection, broken_reason, select_groups
 
 MAX_ROUNDS = 3  # generation rounds per step, as the local engine's Selector
-STRATEGY_KEYS = ("oversample_factor", "filter_zero_variance", "filter_broken", "filter_no_image",
-                 "rank_by_std")
+STRATEGY_KEYS = tuple(StrategyConfig.model_fields)  # the sampler_kwargs the launcher sets from it
 
 
 @dataclass
