@@ -177,8 +177,15 @@ def write_launch_files(recipe: Recipe, sd: StageDir, *, model: str, task_dirs: l
     atomic_write_text(paths.agent_loop, yaml.safe_dump(
         [{"name": AGENT_LOOP_NAME, "_target_": AGENT_LOOP_CLASS, "recipe": str(paths.recipe)}],
         sort_keys=False))
+    # verl runs in the stage directory: a relative model or interpreter path must not change
+    # meaning (abspath, not resolve: a venv's python is a symlink that must stay one).
+    if Path(model).exists():
+        model = os.path.abspath(model)
+    python = lf.python_for(recipe.rl.verl.python)
+    if os.sep in python:
+        python = os.path.abspath(python)
     overrides = render_overrides(recipe, model=model, paths=paths, has_val=has_val, resume=resume)
-    command = [lf.python_for(recipe.rl.verl.python), "-m", "verl.trainer.main_ppo", *overrides]
+    command = [python, "-m", "verl.trainer.main_ppo", *overrides]
     env = _env(recipe, paths)
     atomic_write_text(paths.script, launch_script(command, env, sd.run_id))
     paths.script.chmod(paths.script.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
