@@ -119,7 +119,11 @@ class StageDir:
             return
         old = _flatten(yaml.safe_load(stored.read_text(encoding="utf-8")) or {})
         new = _flatten(self._config_dict())
-        changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+        # A field added by a newer pyvision is absent from configs written before it; at its
+        # default it changes nothing, so it must not block resuming those runs. A field that no
+        # longer exists cannot affect this run either.
+        defaults = _flatten(type(self.config)().model_dump(mode="json"))
+        changed = sorted(k for k in new if old.get(k, defaults.get(k)) != new[k])
         if changed:
             shown = ", ".join(changed[:5]) + (" ..." if len(changed) > 5 else "")
             raise UserError(

@@ -67,3 +67,16 @@ def test_relative_runs_dir_becomes_absolute(tmp_path, monkeypatch):
     sd = stage_dir(load_recipe(), "sft", "rel", runs_dir=None)
     assert sd.path.is_absolute()
     assert sd.path == tmp_path / "runs" / "rel" / "sft"
+
+
+def test_field_added_later_at_its_default_does_not_block_resume(tmp_path):
+    recipe = load_recipe()
+    sd = stage_dir(recipe, "rl", "old", runs_dir=tmp_path)
+    sd.begin()
+    stored = yaml.safe_load((sd.path / "config.yaml").read_text())
+    del stored["rl"]["verl"]["val_tasks"]  # as written by a pyvision that did not have the field
+    (sd.path / "config.yaml").write_text(yaml.safe_dump(stored))
+    stage_dir(recipe, "rl", "old", runs_dir=tmp_path).check_same_config()
+    changed = load_recipe(None, ["rl.verl.val_tasks=[data/vstar]"])
+    with pytest.raises(UserError, match=r"rl\.verl\.val_tasks"):
+        stage_dir(changed, "rl", "old", runs_dir=tmp_path).check_same_config()
