@@ -78,7 +78,7 @@ class JudgeServer:
         outer = self
 
         class H(BaseHTTPRequestHandler):
-            def do_POST(self):  # noqa: N802
+            def do_POST(self):
                 outer.requests.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
                 status, text = outer.replies.pop(0) if outer.replies else (500, "")
                 body = json.dumps({"choices": [{"message": {"content": text}}]}).encode()
@@ -246,3 +246,22 @@ def test_policy_loss_matches_hand_computation():
 def test_kl_is_zero_for_identical_policies():
     lp = torch.randn(2, 4)
     assert kl_loss(lp, lp, torch.ones(2, 4), AlgorithmConfig()).item() == pytest.approx(0.0, abs=1e-6)
+
+
+def test_judge_outage_cools_down_then_retries():
+    judge = _judge("http://127.0.0.1:9", retries=1)
+    assert judge.judge("Q", "a", "b", "x") is None
+    assert judge.stats()["requests"] == 2
+    # Down: the next calls fall back at once instead of paying the retries again.
+    assert judge.judge("Q", "c", "d", "x") is None and judge.judge("Q", "e", "f", "x") is None
+    stats = judge.stats()
+    assert stats["requests"] == 2 and stats["skipped"] == 2 and stats["fallbacks"] == 3
+    # After the cool-down the endpoint is tried again (and answers now).
+    server = JudgeServer([(200, "Judgement: 1")])
+    try:
+        judge.url = f"{server.url}/v1"
+        judge._down_until = 0.0  # as if OUTAGE_COOLDOWN_S had passed
+        assert judge.judge("Q", "g", "h", "x") == 1.0
+    finally:
+        server.close()
+    assert judge.stats()["requests"] == 3

@@ -9,7 +9,8 @@ False by default, as in the paper: A = r - mean(group)), the loss is
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from pipelines.config.rl import AlgorithmConfig
 

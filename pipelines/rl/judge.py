@@ -4,7 +4,10 @@ The judge is asked whether a prediction and a gold answer are consistent, with f
 for the task's family, and replies ``Judgement: 1`` or ``Judgement: 0``. Requests are bounded:
 a timeout, a few retries with exponential backoff, a concurrency limit. A reply that cannot be read
 counts as unavailable. When the judge is unavailable the caller falls back to the rule verifier
-(``judge()`` returns None) and the fallback is counted; a judge outage never stalls training.
+(``judge()`` returns None) and the fallback is counted; a judge outage never stalls training:
+once a request has failed all its retries, the judge is considered down for
+:data:`OUTAGE_COOLDOWN_S` and calls fall back at once (counted as ``skipped``) instead of each
+paying the full retry schedule; the first call after the cool-down tries the endpoint again.
 Answers are cached in the store, keyed by model and prompt. The API key is read from the
 environment variable named in the config and is never logged or stored.
 """
@@ -54,7 +57,10 @@ FEW_SHOT: dict[str, list[tuple[str, str, str, int]]] = {
     ],
 }
 
-_VERDICT_RE = re.compile(r"Judgement:\s*([01])\b", re.I)
+# How long a judge whose request failed every retry is left alone (see the module docstring).
+OUTAGE_COOLDOWN_S = 30.0
+
+_VERDICT_RE = re.compile(r"Judgement:\s*([01])\b", re.IGNORECASE)
 
 
 def family_of(data_source: str) -> str:
@@ -90,8 +96,13 @@ class Judge:
             self.url += "/v1"
         self._slots = threading.Semaphore(cfg.concurrency)
         self._lock = threading.Lock()
+        # The store opens one DuckDB connection per call, and DuckDB refuses to attach the same
+        # file from two threads at the same moment: cache reads and writes take turns (they are
+        # milliseconds; the requests themselves still run concurrently).
+        self._store_lock = threading.Lock()
         self._stats = {"requests": 0, "cache_hits": 0, "failures": 0, "unreadable": 0,
-                       "fallbacks": 0, "judged": 0}
+                       "fallbacks": 0, "judged": 0, "skipped": 0}
+        self._down_until = 0.0
         self._memory: dict[str, float] = {}
 
     def stats(self) -> dict[str, int]:
@@ -110,11 +121,16 @@ class Judge:
             self._count("cache_hits")
             return self._memory[key]
         if self.store is not None:
-            row = self.store.judge_get(key)
+            with self._store_lock:
+                row = self.store.judge_get(key)
             if row is not None and row["verdict"] is not None:
                 self._count("cache_hits")
                 self._memory[key] = row["verdict"]
                 return row["verdict"]
+        if time.monotonic() < self._down_until:
+            self._count("skipped")
+            self._count("fallbacks")
+            return None
         reply = self._ask(prompt)
         if reply is None:
             self._count("fallbacks")
@@ -128,7 +144,8 @@ class Judge:
         self._count("judged")
         self._memory[key] = verdict
         if self.store is not None:
-            self.store.judge_put(key, self.model, reply, verdict)
+            with self._store_lock:
+                self.store.judge_put(key, self.model, reply, verdict)
         return verdict
 
     def _ask(self, prompt: str) -> str | None:
@@ -144,12 +161,15 @@ class Judge:
                     resp = httpx.post(f"{self.url}/chat/completions", json=body, headers=headers,
                                       timeout=self.cfg.timeout_s)
                     if resp.status_code == 200:
-                        return str(resp.json()["choices"][0]["message"]["content"] or "")
+                        text = str(resp.json()["choices"][0]["message"]["content"] or "")
+                        self._down_until = 0.0
+                        return text
                 except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
                     pass
                 self._count("failures")
                 if attempt < self.cfg.max_retries:
                     time.sleep(self.cfg.backoff_s * (2 ** attempt))
+        self._down_until = time.monotonic() + OUTAGE_COOLDOWN_S
         return None
 
 

@@ -6,21 +6,36 @@ Each step:
    trajectories each through the one agent loop with the policy being trained (an HF policy that
    shares this model object), sandboxes included.
 2. **Rewards** per trajectory (accuracy + accumulative tool reward, guards), kept term by term.
+   With ``reward.judge.base_url`` set, the LLM judge (cached in the store) decides the answer
+   types it is configured for; its calls run concurrently, and fallbacks are counted per step.
 3. **Strategy.** Advantages on whole groups (GRPO, no std normalisation by default), then filter
-   and rank (:mod:`pipelines.rl.strategy`); if too few groups survive, generate another round.
+   and rank (:mod:`pipelines.rl.strategy`); if too few groups survive, generate another round
+   (at most :data:`MAX_ROUNDS` rounds per step).
 4. **Update.** Old log-probs from the current weights, then PPO-clip updates on mini-batches of
-   groups (verl's loss functions, token-mean over model tokens only), gradient clipping, AdamW.
-   The vision tower stays frozen by default.
+   ``rl.mini_batch_prompts`` groups (verl's loss functions, token-mean over model tokens only),
+   an optional KL to the starting policy, gradient clipping, AdamW. The vision tower stays frozen
+   by default.
 5. **Record** every metric of the step in the store and a row of the live table; checkpoint every
    ``save_every`` steps (weights, optimizer, sampler and RNG state) so ``--resume`` continues
-   exactly where it stopped.
+   exactly where it stopped: a run of k steps and a run of k1 steps resumed to k log the same
+   metrics and end with the same weights.
+
+Step metrics (names as stored): ``reward/mean|std|accuracy|tool|format``, ``reward/judged``,
+``reward/judge_fallbacks``, ``accuracy``, ``tool_calls/mean``, ``successful_calls/mean``,
+``turns/mean``, ``response_length/mean`` (model tokens per trajectory), ``stop/<reason>``,
+``strategy/*`` (kept and dropped groups by reason), ``entropy``, ``grad_norm``, ``train/*``
+(loss, clip fraction, KL, ...), ``time/rollout_s`` = ``time/generation_s`` + ``time/tools_s`` +
+``time/reward_s``, and ``time/train_s``.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,13 +43,24 @@ from pipelines.config.recipe import Recipe
 from pipelines.console import err
 from pipelines.data.records import Task, read_tasks
 from pipelines.errors import UserError
-from pipelines.rl.local_utils import (TaskSampler, TokenSequence, list_checkpoints, load_checkpoint,
-                                      save_checkpoint, sequence_logprobs)
-from pipelines.rl.rewards import compute_reward
-from pipelines.rl.strategy import Group, Rollout, Selector, broken_reason
+from pipelines.rl.local_utils import (
+    TaskSampler,
+    TokenSequence,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+    sequence_logprobs,
+)
+from pipelines.rl.rewards import RewardBreakdown, compute_reward
+from pipelines.rl.strategy import Group, Rollout, Selection, Selector, broken_reason
 from pipelines.rundir import StageDir
 
-TABLE_COLUMNS = ("step", "reward", "acc", "tools", "turns", "kept", "dropped", "gen s", "train s")
+# Generation rounds per step before training on whatever survived the filters: bounds the cost
+# of a step whose groups are nearly all zero-variance (early in training, or a saturated policy).
+MAX_ROUNDS = 3
+# Sequences per forward/backward pass; gradients accumulate over a mini-batch, so this changes
+# memory, not the result.
+MICRO_BATCH = 4
 
 
 def load_rl_tasks(dirs: list[str | Path]) -> list[tuple[Task, Path]]:
@@ -58,17 +84,217 @@ def _freeze_vision(model: Any) -> int:
     return frozen
 
 
-def _load_weights(model: Any, path: Path) -> None:
-    from safetensors.torch import load_file
+def load_policy_model(recipe: Recipe, model_path: str) -> tuple[Any, Any]:
+    """(model, processor) on the recipe's device and dtype, vision tower frozen if asked."""
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    state = {}
-    for f in sorted(path.glob("*.safetensors")):
-        state.update(load_file(str(f)))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    real_missing = [k for k in missing if not k.endswith("lm_head.weight")]
-    if real_missing or unexpected:
-        raise UserError(f"checkpoint {path} does not match the model ({len(real_missing)} missing, "
-                        f"{len(unexpected)} unexpected tensors)", hint="resume with the same recipe")
+    device = recipe.model.device if recipe.model.device != "auto" else (
+        "cuda" if torch.cuda.is_available() else "cpu")
+    dtype = {"auto": torch.bfloat16 if device == "cuda" else torch.float32,
+             "float32": torch.float32, "bfloat16": torch.bfloat16,
+             "float16": torch.float16}[recipe.model.dtype]
+    try:
+        processor = AutoProcessor.from_pretrained(model_path)
+        model = AutoModelForImageTextToText.from_pretrained(model_path, dtype=dtype).to(device)
+    except OSError as exc:
+        raise UserError(f"cannot load the policy '{model_path}': {str(exc).splitlines()[0]}",
+                        hint="pass a local Hugging Face model folder (--model), or run the sft "
+                             "stage first") from None
+    if recipe.rl.freeze_vision_tower:
+        _freeze_vision(model)
+    return model, processor
+
+
+@dataclass
+class RolloutBatch:
+    """One step's rollouts: every generated trajectory, its reward, and what the strategy kept."""
+
+    trajectories: list[Any]
+    rewards: list[RewardBreakdown]
+    groups: dict[int, list[Any]]  # group key -> its trajectories, in sample order
+    selection: Selection
+    rollout_s: float     # wall time of the whole phase
+    generation_s: float  # wall time inside the model's generate calls
+    reward_s: float      # wall time computing rewards (judge requests included)
+
+
+class LocalEngine:
+    """Rollouts and PPO updates on one in-process model (used by training and `pyvision perf rl`)."""
+
+    def __init__(self, recipe: Recipe, model: Any, processor: Any,
+                 items: list[tuple[Task, Path]], sampler: TaskSampler, *, judge: Any = None,
+                 ref_model: Any = None) -> None:
+        import torch
+
+        from pipelines.agent.policies.hf import HFPolicy
+
+        self.recipe, self.model, self.processor = recipe, model, processor
+        self.items, self.sampler, self.judge, self.ref_model = items, sampler, judge, ref_model
+        rl = recipe.rl
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=rl.learning_rate,
+                                           weight_decay=rl.local.weight_decay)
+        self.policy = HFPolicy(model, processor, image_min_pixels=recipe.agent.image_min_pixels,
+                               image_max_pixels=recipe.agent.image_max_pixels)
+        self.n_draw = math.ceil(rl.strategy.oversample_factor * rl.prompts_per_step)
+
+    # -- rollouts ------------------------------------------------------------------------------
+
+    def rewards(self, pairs: list[tuple[Task, Any]]) -> list[RewardBreakdown]:
+        """Rewards of (task, trajectory) pairs, in order; judge requests run concurrently."""
+        cfg = self.recipe.reward
+
+        def one(pair: tuple[Task, Any]) -> RewardBreakdown:
+            task, t = pair
+            return compute_reward(task, t.final_answer, answer_chars=t.answer_chars,
+                                  successful_tool_calls=t.successful_calls,
+                                  well_formed=t.stop_reason == "answered", cfg=cfg,
+                                  judge=self.judge)
+
+        if self.judge is None or len(pairs) < 2:
+            return [one(p) for p in pairs]
+        with ThreadPoolExecutor(max_workers=min(len(pairs), self.judge.cfg.concurrency),
+                                thread_name_prefix="judge") as pool:
+            return list(pool.map(one, pairs))
+
+    def rollout(self) -> RolloutBatch:
+        """Generate rounds of groups until enough survive the strategy's filters."""
+        from pipelines.agent.loop import run_episodes
+
+        rl = self.recipe.rl
+        start = time.monotonic()
+        self.model.eval()
+        selector = Selector(rl.prompts_per_step, rl.strategy, max_rounds=MAX_ROUNDS)
+        groups: dict[int, list[Any]] = {}
+        trajectories: list[Any] = []
+        rewards: list[RewardBreakdown] = []
+        reward_s = 0.0
+        while not selector.ready:
+            draws = self.sampler.draw(self.n_draw)
+            batch = [self.items[i] for i in draws]
+            trajs = list(run_episodes(batch, self.policy, self.recipe.agent, self.recipe.sandbox,
+                                      mode="train", batch_size=max(1, len(batch) * rl.n),
+                                      n_per_item=rl.n))
+            members = [sorted((t for t in trajs if t.group_index == j), key=lambda t: t.sample_index)
+                       for j in range(len(draws))]
+            t0 = time.monotonic()
+            flat = [(self.items[draw][0], t) for draw, ms in zip(draws, members) for t in ms]
+            scored = iter(self.rewards(flat))
+            reward_s += time.monotonic() - t0
+            round_groups = []
+            for draw, ms in zip(draws, members):
+                key = len(groups)
+                rs = [next(scored) for _ in ms]
+                groups[key] = ms
+                trajectories += ms
+                rewards += rs
+                round_groups.append(Group(prompt_index=key, task_id=self.items[draw][0].id,
+                                          rollouts=[Rollout(r.total, broken_reason(t.stop_reason,
+                                                                                   t.final_answer),
+                                                            t.produced_image)
+                                                    for t, r in zip(ms, rs)]))
+            selector.add(round_groups)
+        return RolloutBatch(trajectories, rewards, groups, selector.select(),
+                            rollout_s=time.monotonic() - start,
+                            generation_s=sum(t.generation_s for t in trajectories),
+                            reward_s=reward_s)
+
+    def training_batch(self, batch: RolloutBatch) -> tuple[list[TokenSequence], list[float], list[int]]:
+        """The kept trajectories as token sequences, with their group advantages and group keys."""
+        seqs, advs, group_of = [], [], []
+        for g, keep in batch.selection.kept:
+            adv = g.advantages(self.recipe.rl.algorithm.norm_adv_by_std)
+            for i in keep:
+                tr = batch.groups[g.prompt_index][i].trace
+                seqs.append(TokenSequence(tr.input_ids, tr.response_mask, tr.prompt_len, tr.images))
+                advs.append(adv[i])
+                group_of.append(g.prompt_index)
+        return seqs, advs, group_of
+
+    # -- update --------------------------------------------------------------------------------
+
+    def _logprobs(self, model: Any, seqs: list[TokenSequence], with_entropy: bool):
+        return sequence_logprobs(model, self.processor, seqs, with_entropy=with_entropy,
+                                 temperature=self.recipe.agent.temperature)
+
+    def update(self, seqs: list[TokenSequence], advs: list[float],
+               group_of: list[int]) -> dict[str, float]:
+        """PPO-clip updates over mini-batches of whole groups; returns the training metrics."""
+        import torch
+
+        from pipelines.rl.algos import entropy_loss, kl_loss, policy_loss
+
+        rl = self.recipe.rl
+        alg = rl.algorithm
+        if not seqs:
+            return {"train/updates": 0.0}
+        # Old (and reference) log-probs from the weights that generated the rollouts.
+        old: list[Any] = []
+        ref: list[Any] = []
+        ent_sum = ent_tokens = 0.0
+        with torch.no_grad():
+            for i in range(0, len(seqs), MICRO_BATCH):
+                part = seqs[i: i + MICRO_BATCH]
+                lp, ent, mask = self._logprobs(self.model, part, with_entropy=True)
+                old += list(lp)
+                ent_sum += float((ent * mask).sum())
+                ent_tokens += float(mask.sum())
+                if self.ref_model is not None:
+                    ref += list(self._logprobs(self.ref_model, part, with_entropy=False)[0])
+
+        def aligned(rows: list[Any], idx: list[int], like: Any) -> Any:
+            out = torch.zeros_like(like)
+            for r, i in enumerate(idx):
+                n = min(like.shape[1], rows[i].shape[0])
+                out[r, :n] = rows[i][:n]
+            return out
+
+        self.model.train()
+        groups = sorted(set(group_of))
+        per_update = max(1, min(rl.mini_batch_prompts, len(groups)))
+        stats: Counter[str] = Counter()
+        updates = 0
+        norms = []
+        tokens = 0
+        for _ in range(rl.local.ppo_epochs):
+            for u in range(0, len(groups), per_update):
+                chosen = set(groups[u: u + per_update])
+                idx = [i for i, g in enumerate(group_of) if g in chosen]
+                n_tokens = sum(sum(seqs[i].response_mask) for i in idx)
+                self.optimizer.zero_grad(set_to_none=True)
+                for k in range(0, len(idx), MICRO_BATCH):
+                    part = idx[k: k + MICRO_BATCH]
+                    lp, ent, mask = self._logprobs(self.model, [seqs[i] for i in part],
+                                                   with_entropy=alg.entropy_coef > 0)
+                    adv = torch.tensor([advs[i] for i in part], dtype=lp.dtype)[:, None] * mask
+                    loss, m = policy_loss(aligned(old, part, lp), lp, adv, mask, alg,
+                                          batch_num_tokens=n_tokens, global_batch_size=len(idx))
+                    if alg.entropy_coef > 0:
+                        loss = loss - alg.entropy_coef * entropy_loss(
+                            ent, mask, alg, batch_num_tokens=n_tokens)
+                    if self.ref_model is not None:
+                        kl = kl_loss(lp, aligned(ref, part, lp), mask, alg,
+                                     batch_num_tokens=n_tokens)
+                        loss = loss + alg.kl_coef * kl
+                        stats["kl"] += kl.item()
+                    loss.backward()
+                    stats["loss"] += loss.item()
+                    for key, value in m.items():
+                        stats[key] += value * len(part) / len(idx)
+                    tokens += sum(len(seqs[i].input_ids) for i in part)
+                norm = torch.nn.utils.clip_grad_norm_(self.params, rl.local.grad_clip)
+                norms.append(float(norm))
+                self.optimizer.step()
+                updates += 1
+        self.model.eval()
+        out = {f"train/{k}": v / updates for k, v in stats.items()}
+        out["grad_norm"] = sum(norms) / len(norms)
+        out["entropy"] = ent_sum / max(1.0, ent_tokens)
+        out["train/updates"] = float(updates)
+        out["train/sequences"] = float(len(seqs))
+        out["train/tokens"] = float(tokens)
+        return out
 
 
 def train_local(recipe: Recipe, sd: StageDir, *, model_path: str, task_dirs: list[str | Path],
@@ -78,100 +304,60 @@ def train_local(recipe: Recipe, sd: StageDir, *, model_path: str, task_dirs: lis
 
     import numpy as np
     import torch
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-
-    from pipelines.agent.loop import run_episodes
-    from pipelines.agent.policies.hf import HFPolicy
-    from pipelines.rl.algos import entropy_loss, policy_loss
 
     rl, local = recipe.rl, recipe.rl.local
     if local.threads:
         torch.set_num_threads(local.threads)
-    device = recipe.model.device if recipe.model.device != "auto" else (
-        "cuda" if torch.cuda.is_available() else "cpu")
-    dtype = {"auto": torch.bfloat16 if device == "cuda" else torch.float32,
-             "float32": torch.float32, "bfloat16": torch.bfloat16,
-             "float16": torch.float16}[recipe.model.dtype]
     random.seed(recipe.seed)
     np.random.seed(recipe.seed)
     torch.manual_seed(recipe.seed)
-    processor = AutoProcessor.from_pretrained(model_path)
-    model = AutoModelForImageTextToText.from_pretrained(model_path, dtype=dtype).to(device)
-    frozen = _freeze_vision(model) if rl.freeze_vision_tower else 0
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=rl.learning_rate, weight_decay=local.weight_decay)
-    items = load_rl_tasks(task_dirs)
-    sampler = TaskSampler(len(items), recipe.seed)
     ckpt_root = sd.path / "checkpoints"
+    latest = list_checkpoints(ckpt_root)[-1] if resume and list_checkpoints(ckpt_root) else None
+    if resume and latest is None:
+        err.print("[yellow]--resume: no checkpoint found; starting from step 0[/]")
+    # A checkpoint is a complete Hugging Face model: load it through transformers, which maps the
+    # saved tensor names onto the module (they differ from state_dict() names in transformers 5).
+    model, processor = load_policy_model(recipe, str(latest or model_path))
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    ref_model = None
+    if rl.algorithm.kl_coef > 0:
+        # The KL reference is the starting policy, not the checkpoint being resumed.
+        ref_model = (load_policy_model(recipe, model_path)[0] if latest is not None
+                     else copy.deepcopy(model)).eval().requires_grad_(False)
+    judge = None
+    if recipe.reward.judge.base_url:
+        from pipelines.rl.judge import Judge
+
+        judge = Judge(recipe.reward.judge, store=sd.store)
+    items = load_rl_tasks(task_dirs)
+    engine = LocalEngine(recipe, model, processor, items, TaskSampler(len(items), recipe.seed),
+                         judge=judge, ref_model=ref_model)
     start_step = 0
-    if resume and list_checkpoints(ckpt_root):
-        latest = list_checkpoints(ckpt_root)[-1]
-        _load_weights(model, latest)
-        state = load_checkpoint(latest, optimizer, sampler)
+    history: list[dict[str, float]] = []
+    if latest is not None:
+        state = load_checkpoint(latest, engine.optimizer, engine.sampler)
         start_step = int(state["step"])
+        history = list(state.get("extra", {}).get("history", []))
         if sd.store is not None:
             sd.store.delete_metrics_after(sd.run_id, "rl", start_step - 1)
         err.print(f"resuming RL from {latest} (step {start_step})")
-    policy = HFPolicy(model, processor, image_min_pixels=recipe.agent.image_min_pixels,
-                      image_max_pixels=recipe.agent.image_max_pixels)
-    n_draw = math.ceil(rl.strategy.oversample_factor * rl.prompts_per_step)
-    table = _LiveTable(show_progress, local.steps)
-    history: list[dict[str, float]] = []
-    for step in range(start_step, local.steps):
-        t0 = time.monotonic()
-        model.eval()
-        selector = Selector(rl.prompts_per_step, rl.strategy, max_rounds=3)
-        by_group: dict[int, list[Any]] = {}
-        reward_of: dict[int, Any] = {}
-        all_trajs = []
-        while not selector.ready:
-            draws = sampler.draw(n_draw)
-            batch = [items[i] for i in draws]
-            trajs = list(run_episodes(batch, policy, recipe.agent, recipe.sandbox, mode="train",
-                                      batch_size=max(1, len(batch) * rl.n), n_per_item=rl.n))
-            groups = []
-            for j, draw in enumerate(draws):
-                members = sorted((t for t in trajs if t.group_index == j),
-                                 key=lambda t: t.sample_index)
-                key = len(by_group)
-                for t in members:
-                    reward_of[id(t)] = compute_reward(
-                        items[draw][0], t.final_answer, answer_chars=t.answer_chars,
-                        successful_tool_calls=t.successful_calls,
-                        well_formed=t.stop_reason == "answered", cfg=recipe.reward)
-                by_group[key] = members
-                groups.append(Group(prompt_index=key, task_id=items[draw][0].id, rollouts=[
-                    Rollout(reward_of[id(t)].total, broken_reason(t.stop_reason, t.final_answer),
-                            t.produced_image) for t in members]))
-                all_trajs += members
-            selector.add(groups)
-        selection = selector.select()
-        gen_s = time.monotonic() - t0
-        tool_s = sum(t.tool_s for t in all_trajs)
-
-        t1 = time.monotonic()
-        seqs, advs, group_of = [], [], []
-        for g, keep in selection.kept:
-            adv = g.advantages(rl.algorithm.norm_adv_by_std)
-            for i in keep:
-                tr = by_group[g.prompt_index][i].trace
-                seqs.append(TokenSequence(tr.input_ids, tr.response_mask, tr.prompt_len, tr.images))
-                advs.append(adv[i])
-                group_of.append(g.prompt_index)
-        train_metrics = _update(model, processor, optimizer, params, seqs, advs, group_of, recipe,
-                                policy_loss, entropy_loss) if seqs else {}
-        train_s = time.monotonic() - t1
-
-        metrics = _step_metrics(all_trajs, [reward_of[id(t)] for t in all_trajs], selection,
-                                train_metrics, gen_s, tool_s, train_s)
-        history.append(metrics)
-        if sd.store is not None:
-            sd.store.log_metrics(sd.run_id, "rl", step, metrics)
-        table.add(step, metrics)
-        if (step + 1) % local.save_every == 0 or step + 1 == local.steps:
-            save_checkpoint(ckpt_root, step + 1, model, processor, optimizer, sampler,
-                            keep=2)
-    table.close()
+    table = LiveTable(show_progress, local.steps)
+    try:
+        for step in range(start_step, local.steps):
+            batch = engine.rollout()
+            t1 = time.monotonic()
+            train_metrics = engine.update(*engine.training_batch(batch))
+            train_s = time.monotonic() - t1
+            metrics = step_metrics(batch, train_metrics, train_s)
+            history.append(metrics)
+            if sd.store is not None:
+                sd.store.log_metrics(sd.run_id, "rl", step, metrics)
+            table.add(step, metrics)
+            if (step + 1) % local.save_every == 0 or step + 1 == local.steps:
+                save_checkpoint(ckpt_root, step + 1, model, processor, engine.optimizer,
+                                engine.sampler, extra={"history": history}, keep=2)
+    finally:
+        table.close()
     final = sd.path / "model"
     from pipelines.fsutil import atomic_dir
 
@@ -184,110 +370,93 @@ def train_local(recipe: Recipe, sd: StageDir, *, model_path: str, task_dirs: lis
                "first_accuracy": first.get("accuracy"), "last_accuracy": last.get("accuracy"),
                "first_tool_calls": first.get("tool_calls/mean"),
                "last_tool_calls": last.get("tool_calls/mean")}
+    if judge is not None:
+        summary.update({f"judge_{k}": v for k, v in judge.stats().items()})
     sd.finish({"model": str(final), "checkpoints": str(ckpt_root), "base_model": model_path},
               summary)
     return summary
 
 
-def _update(model, processor, optimizer, params, seqs, advs, group_of, recipe, policy_loss,
-            entropy_loss) -> dict[str, float]:
-    import torch
-
-    rl = recipe.rl
-    micro = 4
-    # Old log-probs (and entropy) from the weights that generated the rollouts.
-    old, ent_sum, ent_tokens = [], 0.0, 0.0
-    with torch.no_grad():
-        for i in range(0, len(seqs), micro):
-            lp, ent, mask = sequence_logprobs(model, processor, seqs[i: i + micro], with_entropy=True)
-            old.append(lp)
-            ent_sum += float((ent * mask).sum())
-            ent_tokens += float(mask.sum())
-    model.train()
-    groups = sorted(set(group_of))
-    per_update = max(1, min(rl.mini_batch_prompts, len(groups)))
-    stats: Counter[str] = Counter()
-    updates = 0
-    norms = []
-    for _ in range(rl.local.ppo_epochs):
-        for u in range(0, len(groups), per_update):
-            chosen = set(groups[u: u + per_update])
-            idx = [i for i, g in enumerate(group_of) if g in chosen]
-            n_tokens = sum(sum(seqs[i].response_mask) for i in idx)
-            optimizer.zero_grad(set_to_none=True)
-            for k in range(0, len(idx), micro):
-                part = idx[k: k + micro]
-                lp, ent, mask = sequence_logprobs(model, processor, [seqs[i] for i in part],
-                                                  with_entropy=rl.algorithm.entropy_coef > 0)
-                width = lp.shape[1]
-                old_lp = torch.zeros_like(lp)
-                for row, i in enumerate(part):
-                    src = old[i // micro][i % micro]
-                    n = min(width, src.shape[0])
-                    old_lp[row, :n] = src[:n]
-                adv = torch.tensor([advs[i] for i in part], dtype=lp.dtype)[:, None] * mask
-                loss, m = policy_loss(old_lp, lp, adv, mask, rl.algorithm,
-                                      batch_num_tokens=n_tokens, global_batch_size=len(idx))
-                if rl.algorithm.entropy_coef > 0:
-                    loss = loss - rl.algorithm.entropy_coef * entropy_loss(
-                        ent, mask, rl.algorithm, batch_num_tokens=n_tokens)
-                loss.backward()
-                stats["loss"] += loss.item()
-                for key, value in m.items():
-                    stats[key] += value * len(part) / len(idx)
-            norm = torch.nn.utils.clip_grad_norm_(params, rl.local.grad_clip)
-            norms.append(float(norm))
-            optimizer.step()
-            updates += 1
-    model.eval()
-    out = {f"train/{k}": v / max(1, updates) for k, v in stats.items()}
-    out["grad_norm"] = sum(norms) / len(norms) if norms else 0.0
-    out["entropy"] = ent_sum / max(1.0, ent_tokens)
-    out["train/updates"] = float(updates)
-    return out
-
-
-def _step_metrics(trajs, rewards, selection, train_metrics, gen_s, tool_s, train_s) -> dict[str, float]:
+def step_metrics(batch: RolloutBatch, train_metrics: dict[str, float],
+                 train_s: float) -> dict[str, float]:
+    trajs, rewards = batch.trajectories, batch.rewards
     n = max(1, len(trajs))
-    stops = Counter(t.stop_reason for t in trajs)
+    mean = sum(r.total for r in rewards) / n
     m = {
-        "reward/mean": sum(r.total for r in rewards) / n,
+        "reward/mean": mean,
+        "reward/std": math.sqrt(sum((r.total - mean) ** 2 for r in rewards) / n),
         "reward/accuracy": sum(r.accuracy for r in rewards) / n,
         "reward/tool": sum(r.tool for r in rewards) / n,
         "reward/format": sum(r.format for r in rewards) / n,
+        "reward/judged": float(sum(r.judged for r in rewards)),
+        "reward/judge_fallbacks": float(sum(r.judge_fallback for r in rewards)),
         "accuracy": sum(r.correct for r in rewards) / n,
         "tool_calls/mean": sum(t.tool_calls for t in trajs) / n,
         "successful_calls/mean": sum(t.successful_calls for t in trajs) / n,
         "turns/mean": sum(t.num_turns for t in trajs) / n,
         "response_length/mean": sum(t.generated_tokens for t in trajs) / n,
         "trajectories": float(len(trajs)),
-        "time/generation_s": gen_s, "time/tools_s": tool_s, "time/train_s": train_s,
+        "time/rollout_s": batch.rollout_s,
+        "time/generation_s": batch.generation_s,
+        "time/tools_s": max(0.0, batch.rollout_s - batch.generation_s - batch.reward_s),
+        "time/reward_s": batch.reward_s,
+        "time/train_s": train_s,
     }
-    for reason, count in stops.items():
+    for reason, count in Counter(t.stop_reason for t in trajs).items():
         m[f"stop/{reason}"] = count / n
-    m.update(selection.metrics())
+    m.update(batch.selection.metrics())
     m.update(train_metrics)
     return m
 
 
-class _LiveTable:
-    """One row per step, printed as it completes (readable in logs and terminals alike)."""
+class LiveTable:
+    """The per-step table: a rich Live table on a terminal, one aligned line per step in a log."""
+
+    COLUMNS = (("step", "{}"), ("reward", "{:.3f}"), ("acc", "{:.3f}"), ("tools", "{:.2f}"),
+               ("turns", "{:.2f}"), ("len", "{:.0f}"), ("kept", "{:.0f}"), ("dropped", "{:.0f}"),
+               ("entropy", "{:.3f}"), ("gnorm", "{:.3f}"), ("gen s", "{:.1f}"),
+               ("tools s", "{:.1f}"), ("train s", "{:.1f}"))
+    WIDTH = 8
 
     def __init__(self, enabled: bool, total: int) -> None:
-        self.enabled = enabled
-        self.total = total
-        if enabled:
-            err.print(" ".join(f"{c:>7}" for c in TABLE_COLUMNS))
+        self.enabled, self.total = enabled, total
+        self.rows: list[list[str]] = []
+        self.live = None
+        if enabled and err.is_terminal:
+            from rich.live import Live
+
+            self.live = Live(self._table(), console=err, refresh_per_second=4)
+            self.live.start()
+        elif enabled:
+            err.print(" ".join(f"{c:>{self.WIDTH}}" for c, _ in self.COLUMNS), markup=False,
+                      soft_wrap=True)
+
+    def _table(self) -> Any:
+        from rich.table import Table
+
+        table = Table(title="RL (local engine)", title_justify="left")
+        for name, _ in self.COLUMNS:
+            table.add_column(name, justify="right")
+        for row in self.rows[-40:]:  # the newest steps; the store keeps them all
+            table.add_row(*row)
+        return table
 
     def add(self, step: int, m: dict[str, float]) -> None:
         if not self.enabled:
             return
         dropped = sum(v for k, v in m.items() if k.startswith("strategy/dropped_"))
-        row = (f"{step + 1}/{self.total}", f"{m['reward/mean']:.3f}", f"{m['accuracy']:.3f}",
-               f"{m['tool_calls/mean']:.2f}", f"{m['turns/mean']:.2f}",
-               f"{m['strategy/kept_groups']:.0f}", f"{dropped:.0f}",
-               f"{m['time/generation_s']:.0f}", f"{m['time/train_s']:.0f}")
-        err.print(" ".join(f"{c:>7}" for c in row))
+        values = (f"{step + 1}/{self.total}", m["reward/mean"], m["accuracy"], m["tool_calls/mean"],
+                  m["turns/mean"], m["response_length/mean"], m["strategy/kept_groups"], dropped,
+                  m.get("entropy"), m.get("grad_norm"), m["time/generation_s"], m["time/tools_s"],
+                  m["time/train_s"])
+        row = [fmt.format(v) if v is not None else "-" for (_, fmt), v in zip(self.COLUMNS, values)]
+        self.rows.append(row)
+        if self.live is not None:
+            self.live.update(self._table())
+        else:
+            err.print(" ".join(f"{c:>{self.WIDTH}}" for c in row), markup=False, soft_wrap=True)
 
     def close(self) -> None:
-        return None
+        if self.live is not None:
+            self.live.stop()
+            self.live = None

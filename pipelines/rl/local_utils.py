@@ -13,9 +13,10 @@ from __future__ import annotations
 import json
 import random
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from pipelines.fsutil import atomic_dir
 
@@ -76,11 +77,13 @@ class TokenSequence:
 
 
 def sequence_logprobs(model: Any, processor: Any, seqs: Sequence[TokenSequence], *,
-                      with_entropy: bool = False, device: Any = None):
+                      with_entropy: bool = False, temperature: float = 1.0, device: Any = None):
     """Log-probs (and entropies) of each sequence's response tokens under ``model``.
 
     Returns ``(logprobs, entropy, mask)`` as ``[B, R]`` tensors where ``R`` is the longest
     response; ``mask`` is the response mask (padding is 0). Gradients flow when grad is enabled.
+    ``temperature`` is the sampling temperature of the rollouts: the policy that sampled the tokens
+    is softmax(logits / T), so the ratio and the gradient must use it too (as verl's actor does).
     """
     import torch
 
@@ -102,6 +105,8 @@ def sequence_logprobs(model: Any, processor: Any, seqs: Sequence[TokenSequence],
         kwargs["image_grid_thw"] = vision["image_grid_thw"].to(device)
     out = model(input_ids=ids.to(device), attention_mask=attn.to(device), **kwargs)
     logits = out.logits.float()
+    if temperature > 0 and temperature != 1.0:
+        logits = logits / temperature
     logprobs = torch.zeros((len(seqs), resp_len), device=device)
     entropy = torch.zeros((len(seqs), resp_len), device=device)
     mask = torch.zeros((len(seqs), resp_len), device=device)

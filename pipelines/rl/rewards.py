@@ -43,7 +43,7 @@ class RewardBreakdown:
 
 def compute_reward(task: Task, final_answer: str | None, *, answer_chars: int,
                    successful_tool_calls: int, well_formed: bool, cfg: RewardConfig,
-                   judge: "Judge | None" = None) -> RewardBreakdown:
+                   judge: Judge | None = None) -> RewardBreakdown:
     """The reward of one finished trajectory, term by term."""
     from benchmarks.scoring import verify
 
