@@ -144,6 +144,32 @@ def test_tiny_model_through_hf_policy(tiny_model_dir, image_task):
         trace.input_ids[trace.prompt_len:], skip_special_tokens=False).removesuffix("<|im_end|>").removesuffix("<|endoftext|>")
 
 
+def test_hf_policy_decodes_with_the_kv_cache_even_if_the_config_disables_it(tiny_model_dir,
+                                                                              image_task):
+    # LLaMA-Factory saves fine-tuned models with use_cache=false; generating without the cache
+    # re-reads the whole context at every token (27x slower on the demo's SFT model).
+    from pipelines.agent.policies.hf import HFPolicy
+
+    policy = HFPolicy.from_pretrained(str(tiny_model_dir), image_max_pixels=50176)
+    # As loaded from such a checkpoint: the generation config inherits the flag.
+    policy.model.config.use_cache = False
+    policy.model.config.get_text_config().use_cache = False
+    policy.model.generation_config.use_cache = False
+    seen: list[int] = []
+    forward = policy.model.forward
+
+    def counting_forward(*args, **kwargs):
+        seen.append(kwargs["input_ids"].shape[1])
+        return forward(*args, **kwargs)
+
+    policy.model.forward = counting_forward
+    messages, _, _ = build_initial_messages(image_task[0], image_task[1], "image", AgentConfig())
+    handle = policy.begin(messages)
+    policy.generate([handle], Sampling(max_new_tokens=6, temperature=0.0))
+    assert seen[0] == len(handle.ids) - policy.token_counts(handle)["generated"]
+    assert len(seen) > 1 and set(seen[1:]) == {1}
+
+
 def test_hf_batched_equals_single_under_greedy(tiny_model_dir, image_task):
     from pipelines.agent.policies.hf import HFPolicy
 

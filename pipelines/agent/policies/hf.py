@@ -109,7 +109,10 @@ class HFPolicy:
                 max_new_tokens=sampling.max_new_tokens, do_sample=do_sample, **sample_kwargs,
                 stop_strings=[CODE_STOP], tokenizer=self.tokenizer,
                 eos_token_id=sorted(self.eos_ids), pad_token_id=self.pad_id,
-                return_dict_in_generate=True, output_logits=True)
+                return_dict_in_generate=True, output_logits=True,
+                # Checkpoints saved by trainers often carry use_cache=false (LLaMA-Factory turns
+                # it off for training); without the KV cache every step re-reads the context.
+                use_cache=True)
         new = out.sequences[:, longest:].cpu()
         logits = torch.stack(out.logits, dim=1).float().cpu() if out.logits else None
         results = []
