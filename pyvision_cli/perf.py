@@ -65,3 +65,32 @@ def perf_eval(
         for family, row in result["families"].items():
             err.print(f"{family} ({row['benchmark']}): model {row['model']['samples_per_s']} "
                       f"samples/s, scripted {row['scripted']['samples_per_s']} samples/s")
+
+
+@command(app, "rl")
+def perf_rl(
+    model: Annotated[str | None, typer.Option(help="Policy to measure (default: a fresh tiny model).")] = None,
+    size: Annotated[str, typer.Option(help="Tiny model size when no --model: nano | small.")] = "small",
+    tasks: Annotated[str | None, typer.Option(help="RL prompt folder (default: synthetic image tasks).")] = None,
+    prompts: Annotated[int, typer.Option(help="Prompts per round.", min=1)] = 4,
+    n: Annotated[int, typer.Option(help="Rollouts per prompt.", min=2)] = 4,
+    rounds: Annotated[int, typer.Option(help="Measured rounds (after one warm-up round).", min=1)] = 2,
+    threads: Annotated[int, typer.Option(help="torch CPU threads (1 is fastest for tiny models on a busy CPU).", min=1)] = 1,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens per assistant turn.", min=8)] = 128,
+    json_out: JsonOpt = False,
+) -> None:
+    """Local RL engine: trajectories per second (rollout, sandboxes included) and training tokens
+    per second (PPO update: old log-probs, forward and backward)."""
+    from pipelines.perf.rl import run_benchmark
+
+    with err.status("measuring the local RL engine ..."):
+        result = run_benchmark(model=model, size=size, tasks=tasks, prompts=prompts, n=n,
+                               rounds=rounds, threads=threads, max_new_tokens=max_new_tokens)
+    if json_out:
+        print_json(result)
+    else:
+        r, u = result["rollout"], result["update"]
+        err.print(f"{result['model']} ({result['parameters']:,} parameters, {result['threads']} "
+                  f"thread(s)): rollout {r['trajectories_per_s']} trajectories/s "
+                  f"({r['generated_tokens_per_s']} generated tokens/s); update "
+                  f"{u['tokens_per_s']} training tokens/s ({u['model_tokens_per_s']} model tokens/s)")

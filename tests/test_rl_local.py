@@ -291,3 +291,97 @@ def test_live_table_rows_read_in_a_log(capsys):
         assert lines[0].split()[:3] == ["step", "reward", "acc"]
         assert lines[1].split() == ["1/2", "0.500", "0.250", "1.50", "2.00", "40", "2", "2", "-",
                                     "-", "1.0", "0.5", "2.0"]
+
+
+def test_perf_rl_json(tiny_model_dir, rl_tasks):
+    from typer.testing import CliRunner
+
+    from pyvision_cli.perf import app
+
+    result = CliRunner().invoke(app, ["rl", "--json", "--model", str(tiny_model_dir), "--tasks",
+                                      str(rl_tasks), "--prompts", "2", "--n", "2", "--rounds", "1",
+                                      "--max-new-tokens", "8"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    roll, upd = data["rollout"], data["update"]
+    assert roll["trajectories"] == 4 and roll["trajectories_per_s"] > 0
+    assert 4 <= roll["generated_tokens"] <= 4 * 8 * 2  # at most max_new_tokens per turn
+    assert upd["sequences"] == 4 and upd["tokens"] > upd["model_tokens"] >= 4
+    assert upd["tokens_per_s"] == pytest.approx(upd["tokens"] / upd["seconds"], rel=0.01)
+
+
+def test_policy_never_emits_vision_pads(tiny_model_dir, rl_tasks):
+    """A policy that prefers <|image_pad|> above all would break its next forward pass."""
+    from pipelines.rl.local import load_policy_model, load_rl_tasks
+    from pipelines.rl.local_utils import TaskSampler
+
+    recipe = load_recipe(None, ENGINE + ["rl.strategy.filter_zero_variance=false"])
+    model, processor = load_policy_model(recipe, str(tiny_model_dir))
+    pad = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+
+    def favour_pad(module, args, logits):
+        logits[..., pad] += 1e4
+        return logits
+
+    model.lm_head.register_forward_hook(favour_pad)
+    items = load_rl_tasks([rl_tasks])
+    engine = LocalEngine(recipe, model, processor, items, TaskSampler(len(items), 0))
+    batch = engine.rollout()
+    for t in batch.trajectories:
+        generated = [tok for tok, m in zip(t.trace.input_ids[t.trace.prompt_len:],
+                                           t.trace.response_mask) if m]
+        assert generated and pad not in generated
+    assert engine.update(*engine.training_batch(batch))["train/updates"] >= 1
+    assert not model.generation_config.suppress_tokens  # restored after the rollout
+
+
+# -- the measured result: RL after a short SFT raises the reward -------------------------------
+
+# A tiny policy after a minute of SFT answers well-formed about a third of the time at T=0.6 and
+# correctly ~2% of the time (greedy: ~12%). With the paper's reward alone (accuracy + tool bonus)
+# almost every group has zero variance, and the few updates on single groups at a learning rate
+# a 0.4M-parameter model needs make it drift (tool calls fell from 0.7 to 0.24 per trajectory in
+# 12 steps). A format penalty gives the reward a dense signal; accuracy then rises with it.
+IMPROVE = [
+    "seed=0", "model.tiny.size=nano", "model.device=cpu", "model.dtype=float32",
+    "data.synth.image_search.n_train=120", "data.synth.image_search.n_heldout=0",
+    "data.synth.image_search.families=[count]", "data.synth.video.n_train=0",
+    "data.synth.video.n_heldout=0", "data.synth.sft_fraction=0.5",
+    "sft.use_cpu=true", "sft.precision=fp32", "sft.max_steps=200", "sft.learning_rate=4e-3",
+    "sft.lr_scheduler_type=cosine", "sft.warmup_ratio=0.05", "sft.per_device_train_batch_size=4",
+    "sft.gradient_accumulation_steps=1", "sft.cutoff_len=2048", "sft.save_steps=100000",
+    "sft.image_max_pixels=12544", "sft.freeze_vision_tower=true", "sft.finetuning_type=full",
+    "agent.max_turns_train=3", "agent.max_images=8", "agent.max_context_tokens=2048",
+    "agent.max_new_tokens_per_turn=256", "agent.image_max_pixels=12544", "agent.temperature=0.6",
+    "rl.engine=local", "rl.prompts_per_step=4", "rl.mini_batch_prompts=2", "rl.n=4",
+    "rl.learning_rate=1e-3", "rl.strategy.oversample_factor=2", "rl.local.steps=12",
+    "rl.local.save_every=100", "rl.local.threads=1", "rl.local.ppo_epochs=1",
+    "reward.format_penalty=0.5", "reward.tool_reward_per_call=0.1", "reward.judge.base_url=null",
+]
+
+
+@pytest.mark.slow
+def test_rl_after_short_sft_raises_mean_reward(tmp_path, monkeypatch):
+    from pipelines.run import run_pipeline
+
+    # One torch thread: for a tiny model on a shared 2-core machine two threads are many times
+    # slower (they spin waiting for each other); LLaMA-Factory's subprocess inherits this.
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    recipe = load_recipe(None, IMPROVE + [f"runs_dir={tmp_path / 'runs'}"])
+    store = Store(tmp_path / "store.duckdb")
+    summary = run_pipeline(recipe, store=store, run_id="improve", until_stage="rl",
+                           show_progress=False)
+    assert summary["sft"]["last_loss"] < 0.5 * summary["sft"]["first_loss"]
+    steps = per_step(store, "improve")
+    assert sorted(steps) == list(range(12))
+    curve = {k: [steps[s].get(k, 0.0) for s in range(12)] for k in ("reward/mean", "accuracy",
+                                                          "tool_calls/mean", "stop/answered")}
+    first, last = slice(0, 4), slice(8, 12)
+
+    def mean(values):
+        return sum(values) / len(values)
+
+    rise = mean(curve["reward/mean"][last]) - mean(curve["reward/mean"][first])
+    print("RL curve:", json.dumps({k: [round(v or 0, 3) for v in vs] for k, vs in curve.items()}))
+    assert rise >= 0.15, curve
+    assert mean(curve["accuracy"][last]) > mean(curve["accuracy"][first]), curve

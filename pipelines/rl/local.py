@@ -138,6 +138,9 @@ class LocalEngine:
         self.policy = HFPolicy(model, processor, image_min_pixels=recipe.agent.image_min_pixels,
                                image_max_pixels=recipe.agent.image_max_pixels)
         self.n_draw = math.ceil(rl.strategy.oversample_factor * rl.prompts_per_step)
+        tok = processor.tokenizer
+        self._vision_pads = sorted({tok.convert_tokens_to_ids(t)
+                                    for t in ("<|image_pad|>", "<|video_pad|>")})
 
     # -- rollouts ------------------------------------------------------------------------------
 
@@ -160,11 +163,23 @@ class LocalEngine:
 
     def rollout(self) -> RolloutBatch:
         """Generate rounds of groups until enough survive the strategy's filters."""
+        start = time.monotonic()
+        self.model.eval()
+        # A weak policy sampling at T=1 sometimes emits <|image_pad|> itself; the next forward then
+        # has one more image token than image features and raises. Suppressed while rolling out
+        # only, so the saved models' generation configs stay as they were.
+        gen_cfg = self.model.generation_config
+        saved = gen_cfg.suppress_tokens
+        gen_cfg.suppress_tokens = sorted(set(saved or []) | set(self._vision_pads))
+        try:
+            return self._rollout(start)
+        finally:
+            gen_cfg.suppress_tokens = saved
+
+    def _rollout(self, start: float) -> RolloutBatch:
         from pipelines.agent.loop import run_episodes
 
         rl = self.recipe.rl
-        start = time.monotonic()
-        self.model.eval()
         selector = Selector(rl.prompts_per_step, rl.strategy, max_rounds=MAX_ROUNDS)
         groups: dict[int, list[Any]] = {}
         trajectories: list[Any] = []
