@@ -335,6 +335,26 @@ def test_policy_never_emits_vision_pads(tiny_model_dir, rl_tasks):
     assert not model.generation_config.suppress_tokens  # restored after the rollout
 
 
+def test_kl_to_the_starting_policy(tiny_model_dir, rl_tasks):
+    import copy
+
+    from pipelines.rl.local import load_policy_model, load_rl_tasks
+    from pipelines.rl.local_utils import TaskSampler
+
+    recipe = load_recipe(None, ENGINE + ["rl.algorithm.kl_coef=0.5", "rl.mini_batch_prompts=1",
+                                         "rl.strategy.filter_zero_variance=false"])
+    model, processor = load_policy_model(recipe, str(tiny_model_dir))
+    ref = copy.deepcopy(model).requires_grad_(False)
+    before = {k: v.clone() for k, v in ref.state_dict().items()}
+    items = load_rl_tasks([rl_tasks])
+    engine = LocalEngine(recipe, model, processor, items, TaskSampler(len(items), 0), ref_model=ref)
+    engine.rewards = token_reward.__get__(engine)
+    m = engine.update(*engine.training_batch(engine.rollout()))
+    # Two mini-batches: the first starts at the reference (KL 0), the second has moved away.
+    assert m["train/updates"] == 2 and m["train/kl"] > 0
+    assert all(torch.equal(before[k], v) for k, v in ref.state_dict().items())
+
+
 # -- the measured result: RL after a short SFT raises the reward -------------------------------
 
 # A tiny policy after a minute of SFT answers well-formed about a third of the time at T=0.6 and
