@@ -355,6 +355,23 @@ def test_kl_to_the_starting_policy(tiny_model_dir, rl_tasks):
     assert all(torch.equal(before[k], v) for k, v in ref.state_dict().items())
 
 
+def test_cli_rl_local_then_resume_is_a_no_op(tiny_model_dir, rl_tasks, tmp_path):
+    from typer.testing import CliRunner
+
+    from pyvision_cli.main import app
+
+    sets = [a for s in ENGINE + ["rl.local.steps=1", f"runs_dir={tmp_path}"] for a in ("--set", s)]
+    args = ["rl", "--engine", "local", "--run-id", "cli", "--model", str(tiny_model_dir),
+            "--tasks", str(rl_tasks), "--json", *sets]
+    first = CliRunner().invoke(app, args)
+    assert first.exit_code == 0, first.output
+    manifest = json.loads(first.stdout[first.stdout.index("{"):])
+    assert manifest["summary"]["steps"] == 1 and Path(manifest["outputs"]["model"]).is_dir()
+    assert {m["name"] for m in Store().metrics("cli", "rl")} >= REQUIRED - {"entropy", "grad_norm"}
+    again = CliRunner().invoke(app, [*args, "--resume"])
+    assert again.exit_code == 0 and "already finished" in again.output
+
+
 # -- the measured result: RL after a short SFT raises the reward -------------------------------
 
 # A tiny policy after a minute of SFT answers well-formed about a third of the time at T=0.6 and
