@@ -92,6 +92,10 @@ class SFTConfig(Section):
     use_cpu: bool = False
     """Train on CPU (the embedded default)."""
 
+    gradient_checkpointing: bool = True
+    """Recompute activations in the backward pass to save memory (LLaMA-Factory's default); a
+    tiny model on CPU trains about 1.3x faster without it."""
+
     deepspeed: Literal["none", "z2", "z3", "z3_offload"] = "none"
     """DeepSpeed ZeRO config for several GPUs (LLaMA-Factory's bundled configs)."""
 

@@ -126,6 +126,8 @@ def render_train_config(cfg: SFTConfig, *, model_path: str, dataset_dir: str, da
         out["max_steps"] = cfg.max_steps
     if cfg.use_cpu:
         out["use_cpu"] = True
+    if not cfg.gradient_checkpointing:
+        out["disable_gradient_checkpointing"] = True
     for key, value in cfg.extra.items():
         out[key] = value
     return out
