@@ -127,6 +127,23 @@ def test_solver_plans_reach_the_right_answer(tmp_path):
     assert solved == 42
 
 
+def test_plans_restate_the_question_and_name_their_colours(image_set, video_set):
+    from pipelines.data.synth import PALETTE
+
+    for root in (image_set, video_set):
+        tasks, _ = read_tasks(root)
+        for t in tasks:
+            p = plan(t, random.Random(0))
+            assert p.steps[0].thought.startswith(f"The question: {t.question.splitlines()[0]}\n")
+            code = "\n".join(s.code for s in p.steps)
+            # Every colour triple in the code is bound to its name, and only names are used after.
+            for line in code.splitlines():
+                for name, (r, g, b) in PALETTE.items():
+                    triple = f"({r}, {g}, {b})"
+                    if triple in line and not line.startswith(f"{name} = "):
+                        assert line.lstrip().startswith("options = {\"red\"")  # free-form table
+
+
 def test_plan_code_uses_only_the_question(image_set):
     tasks, _ = read_tasks(image_set)
     for t in tasks:

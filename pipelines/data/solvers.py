@@ -39,6 +39,13 @@ def _rgb(colour: str) -> str:
     return f"({r}, {g}, {b})"
 
 
+def _consts(*colours: str) -> str:
+    """Named colour constants (``cyan = (40, 200, 210)``), as a person writes them: the value then
+    follows its name, which a small model learns far more easily than a triple whose colour was
+    named a few lines earlier."""
+    return "".join(f"{c} = {_rgb(c)}\n" for c in dict.fromkeys(colours))
+
+
 def _options(task: Task) -> dict[str, str]:
     return {chr(65 + i): o for i, o in enumerate(task.options)}
 
@@ -83,11 +90,13 @@ def _image_steps(task: Task, rng: random.Random) -> list[Step]:
     load = f"{a} = np.asarray(image_clue_0).astype(int)\n"
     if fam == "color":
         if task.answer_type == "choice":
-            table = ", ".join(f'"{k}": {_rgb(c)}' for k, c in _options(task).items())
+            consts = _consts(*_options(task).values())
+            table = ", ".join(f'"{k}": {c}' for k, c in _options(task).items())
         else:
+            consts = ""
             table = ", ".join(f'"{c}": {_rgb(c)}' for c in PALETTE)
         code = (load + f"{m} = ({a}.max(-1) - {a}.min(-1)) > 80\nrgb = {a}[{m}].mean(0)\n"
-                f"options = {{{table}}}\n"
+                f"{consts}options = {{{table}}}\n"
                 "print(min(options, key=lambda k: np.abs(rgb - options[k]).sum()))")
         thought = rng.choice(["Everything but the target is grey, so I take the mean colour of the "
                               "saturated pixels and compare it with the options.",
@@ -95,8 +104,8 @@ def _image_steps(task: Task, rng: random.Random) -> list[Step]:
         return [Step(thought, code)]
     if fam == "count":
         colour = _colour_in(q)
-        code = (f"from scipy import ndimage\n{load}{m} = np.abs({a} - {_rgb(colour)}).sum(-1) < 60\n"
-                f"print(ndimage.label({m})[1])")
+        code = (f"from scipy import ndimage\n{_consts(colour)}{load}"
+                f"{m} = np.abs({a} - {colour}).sum(-1) < 60\nprint(ndimage.label({m})[1])")
         thought = rng.choice([f"I mask the {colour} pixels and count the connected blobs.",
                               f"Counting the {colour} objects: mask the colour, then label the blobs."])
         return [Step(thought, code)]
@@ -104,8 +113,9 @@ def _image_steps(task: Task, rng: random.Random) -> list[Step]:
         c1, c2 = _two_colours(q)
         axis, (lo, hi) = (1, ("left", "right")) if "left" in q else (0, ("above", "below"))
         table = ", ".join(f'"{k}": "{o}"' for k, o in _options(task).items())
-        code = (load + f"p = np.nonzero(np.abs({a} - {_rgb(c1)}).sum(-1) < 60)[{axis}].mean()\n"
-                f"q = np.nonzero(np.abs({a} - {_rgb(c2)}).sum(-1) < 60)[{axis}].mean()\n"
+        code = (_consts(c1, c2) + load +
+                f"p = np.nonzero(np.abs({a} - {c1}).sum(-1) < 60)[{axis}].mean()\n"
+                f"q = np.nonzero(np.abs({a} - {c2}).sum(-1) < 60)[{axis}].mean()\n"
                 f"print(p, q)\noptions = {{{table}}}\n"
                 f"print([k for k in options if options[k] == (\"{lo}\" if p < q else \"{hi}\")][0])")
         thought = rng.choice([f"I locate the {c1} and the {c2} objects by colour and compare their "
@@ -113,14 +123,14 @@ def _image_steps(task: Task, rng: random.Random) -> list[Step]:
         return [Step(thought, code)]
     if fam == "measure":
         colour = _colour_in(q)
-        code = (load + f"xs = np.nonzero(np.abs({a} - {_rgb(colour)}).sum(-1) < 60)[1]\n"
+        code = (_consts(colour) + load + f"xs = np.nonzero(np.abs({a} - {colour}).sum(-1) < 60)[1]\n"
                 "print(xs.max() - xs.min() + 1)")
         thought = rng.choice([f"I mask the {colour} pixels and measure the bar's extent in x.",
                               "The width is the number of columns the bar covers."])
         return [Step(thought, code)]
     if fam == "text":
         colour = _colour_in(q)
-        code = (load + f"ys, xs = np.nonzero(np.abs({a} - {_rgb(colour)}).sum(-1) < 60)\n"
+        code = (_consts(colour) + load + f"ys, xs = np.nonzero(np.abs({a} - {colour}).sum(-1) < 60)\n"
                 "box = image_clue_0.crop((xs.min() - 4, ys.min() - 4, xs.max() + 4, ys.max() + 4))\n"
                 "plt.imshow(box.resize((box.width * 6, box.height * 6)))\nplt.show()")
         return [Step(f"The {colour} box is tiny; I will find it and zoom in to read the word.", code)]
@@ -133,23 +143,24 @@ def _video_steps(task: Task, rng: random.Random) -> list[Step]:
     f, m = rng.choice([("f", "m"), ("frame", "mask")])
     if fam == "count":
         colour = _colour_in(q)
-        code = (f"from scipy import ndimage\n{f} = video_clue_0[len(video_clue_0) // 2].asnumpy().astype(int)\n"
-                f"{m} = np.abs({f} - {_rgb(colour)}).sum(-1) < 90\nprint(ndimage.label({m})[1])")
+        code = (f"from scipy import ndimage\n{_consts(colour)}"
+                f"{f} = video_clue_0[len(video_clue_0) // 2].asnumpy().astype(int)\n"
+                f"{m} = np.abs({f} - {colour}).sum(-1) < 90\nprint(ndimage.label({m})[1])")
         thought = rng.choice([f"Every object stays in view, so I count the {colour} blobs in one frame.",
                               f"I count the {colour} objects in the middle frame."])
         return [Step(thought, code)]
     if fam == "distance":
         colour = _colour_in(q)
-        code = (f"def x(i):\n    {f} = video_clue_0[i].asnumpy().astype(int)\n"
-                f"    return np.nonzero(np.abs({f} - {_rgb(colour)}).sum(-1) < 90)[1].mean()\n"
+        code = (f"{_consts(colour)}def x(i):\n    {f} = video_clue_0[i].asnumpy().astype(int)\n"
+                f"    return np.nonzero(np.abs({f} - {colour}).sum(-1) < 90)[1].mean()\n"
                 "print(round(abs(x(len(video_clue_0) - 1) - x(0))))")
         thought = rng.choice([f"I locate the {colour} object in the first and the last frame and "
                               "measure how far it moved.", "The distance is between the object's "
                               "positions in the first and last frames."])
         return [Step(thought, code)]
     if fam == "order":
-        table = ", ".join(f'"{k}": {_rgb(c)}' for k, c in _options(task).items())
-        code = (f"options = {{{table}}}\n"
+        table = ", ".join(f'"{k}": {c}' for k, c in _options(task).items())
+        code = (f"{_consts(*_options(task).values())}options = {{{table}}}\n"
                 "frames = video_clue_0.get_batch(range(len(video_clue_0))).asnumpy().astype(int)\n"
                 "first = {k: int(np.argmax([(np.abs(x - c).sum(-1) < 90).sum() > 20 for x in frames])) "
                 "for k, c in options.items()}\nprint(first)\nprint(min(first, key=first.get))")
@@ -164,6 +175,11 @@ def plan(task: Task, rng: random.Random) -> SolverPlan:
     steps = _video_steps(task, rng) if task.video else _image_steps(task, rng)
     if rng.random() < 0.5 and not (task.metadata.get("family") == "text"):
         steps = [rng.choice(LOOK_VIDEO if task.video else LOOK_IMAGE)] + steps
+    # The agent first restates what it is asked, as careful agents do; the words it then needs
+    # (a colour, the kind of question) are copied from its own recent text.
+    first = steps[0]
+    asked = task.question.strip().splitlines()[0]
+    steps[0] = Step(f"The question: {asked}\n{first.thought}", first.code)
     answer = task.metadata.get("word") if task.metadata.get("family") == "text" else task.answer
     closing = rng.choice(CLOSING).format(answer=answer)
     if task.metadata.get("family") == "text":
