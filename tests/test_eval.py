@@ -165,7 +165,7 @@ def test_vsibench_video_lives_in_the_sandbox_not_the_prompt(data_root: Path) -> 
 def test_uniform_frames_baseline_spends_visual_tokens(tiny_model_dir: Path, data_root: Path) -> None:
     from PIL import Image
 
-    from pipelines.agent.policies.openai import visual_tokens_for
+    from pipelines.agent.policies.chat import visual_tokens_for
 
     store = Store()
     for run_id, extra in (("on-demand", []), ("uniform", ["agent.video_context=uniform",

@@ -17,7 +17,7 @@ import pytest
 from typer.testing import CliRunner
 
 from pipelines.agent.policies.base import Sampling
-from pipelines.agent.policies.openai import visual_tokens_for
+from pipelines.agent.policies.chat import visual_tokens_for
 from pipelines.config.agent import AgentConfig
 from pipelines.store import Store
 from pyvision_cli.eval import app

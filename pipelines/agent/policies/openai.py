@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipelines.agent.policies.base import Generation, Sampling
+from pipelines.agent.policies.chat import ChatMessages
 from pipelines.agent.protocol import CODE_STOP, truncate_at_code_stop
 from pipelines.errors import EndpointError
 
@@ -28,15 +29,6 @@ def image_data_url(image: Any) -> str:
     buf = io.BytesIO()
     image.save(buf, format="PNG")
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-
-
-def visual_tokens_for(image: Any, min_pixels: int, max_pixels: int) -> int:
-    """Tokens Qwen2.5-VL spends on ``image`` (one per 28x28 pixels after its resize rule)."""
-    from pipelines.agent.prompts import smart_resize
-
-    h, w = smart_resize(image.height, image.width, factor=28, min_pixels=min_pixels,
-                        max_pixels=max_pixels)
-    return (h // 28) * (w // 28)
 
 
 @dataclass
@@ -50,8 +42,9 @@ class _Chat:
     history: list[int] = field(default_factory=list)
 
 
-class OpenAIPolicy:
+class OpenAIPolicy(ChatMessages):
     name = "openai"
+    Chat = _Chat
 
     def __init__(self, base_url: str, model: str, *, api_key_env: str = "OPENAI_API_KEY",
                  concurrency: int = 8, timeout_s: float = 300.0, max_retries: int = 3,
@@ -75,32 +68,8 @@ class OpenAIPolicy:
 
     # -- conversation state --------------------------------------------------------------------
 
-    def _convert(self, parts: list[dict], images: list[Any]) -> tuple[list[dict], int]:
-        out, it, visual = [], iter(images), 0
-        for p in parts:
-            if p.get("type") == "text":
-                out.append({"type": "text", "text": p["text"]})
-            else:
-                img = p["image"] if "image" in p else next(it)
-                visual += visual_tokens_for(img, self.min_pixels, self.max_pixels)
-                out.append({"type": "image_url", "image_url": {"url": image_data_url(img)}})
-        return out, visual
-
-    def begin(self, messages: list[dict]) -> _Chat:
-        converted, visual = [], 0
-        for m in messages:
-            if isinstance(m["content"], str):
-                converted.append(dict(m))
-            else:
-                content, v = self._convert(m["content"], [])
-                visual += v
-                converted.append({"role": m["role"], "content": content})
-        return _Chat(messages=converted, visual=visual)
-
-    def observe(self, handle: _Chat, parts: list[dict], images: list[Any]) -> None:
-        content, v = self._convert(parts, images)
-        handle.visual += v
-        handle.messages.append({"role": "user", "content": content})
+    def image_part(self, image: Any) -> dict:
+        return {"type": "image_url", "image_url": {"url": image_data_url(image)}}
 
     def context_tokens(self, handle: _Chat) -> int:
         return handle.last_prompt_tokens + (handle.history[-1] if handle.history else 0)
@@ -110,12 +79,6 @@ class OpenAIPolicy:
         return {"prompt": handle.prompt_tokens, "generated": handle.generated,
                 "observation": max(0, total - handle.prompt_tokens - handle.generated),
                 "visual": handle.visual}
-
-    def trace(self, handle: _Chat) -> None:
-        return None
-
-    def end(self, handle: _Chat) -> None:
-        handle.messages.clear()
 
     # -- generation ----------------------------------------------------------------------------
 

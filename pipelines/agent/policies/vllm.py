@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipelines.agent.policies.base import Generation, Sampling
-from pipelines.agent.policies.openai import visual_tokens_for
+from pipelines.agent.policies.chat import ChatMessages
 from pipelines.agent.protocol import CODE_STOP, truncate_at_code_stop
 from pipelines.config.agent import AgentConfig
 from pipelines.errors import UserError
@@ -61,10 +61,11 @@ class _Chat:
     turns: int = 0
 
 
-class VLLMPolicy:
+class VLLMPolicy(ChatMessages):
     """Qwen2.5-VL (or any chat VLM vLLM serves) through ``vllm.LLM.chat``."""
 
     name = "vllm"
+    Chat = _Chat
 
     def __init__(self, model: str, *, agent_cfg: AgentConfig | None = None, seed: int = 0,
                  **engine_kwargs: Any) -> None:
@@ -87,32 +88,8 @@ class VLLMPolicy:
 
     # -- conversation state --------------------------------------------------------------------
 
-    def _convert(self, parts: list[dict], images: list[Any]) -> tuple[list[dict], int]:
-        out, it, visual = [], iter(images), 0
-        for p in parts:
-            if p.get("type") == "text":
-                out.append({"type": "text", "text": p["text"]})
-            else:
-                img = p["image"] if "image" in p else next(it)
-                visual += visual_tokens_for(img, self.min_pixels, self.max_pixels)
-                out.append({"type": "image_pil", "image_pil": img})
-        return out, visual
-
-    def begin(self, messages: list[dict]) -> _Chat:
-        converted, visual = [], 0
-        for m in messages:
-            if isinstance(m["content"], str):
-                converted.append(dict(m))
-            else:
-                content, v = self._convert(m["content"], [])
-                visual += v
-                converted.append({"role": m["role"], "content": content})
-        return _Chat(messages=converted, visual=visual)
-
-    def observe(self, handle: _Chat, parts: list[dict], images: list[Any]) -> None:
-        content, v = self._convert(parts, images)
-        handle.visual += v
-        handle.messages.append({"role": "user", "content": content})
+    def image_part(self, image: Any) -> dict:
+        return {"type": "image_pil", "image_pil": image}
 
     def context_tokens(self, handle: _Chat) -> int:
         return handle.last_prompt_tokens + handle.last_generated
@@ -122,12 +99,6 @@ class VLLMPolicy:
                 "observation": max(0, self.context_tokens(handle) - handle.prompt_tokens
                                    - handle.generated),
                 "visual": handle.visual}
-
-    def trace(self, handle: _Chat) -> None:
-        return None
-
-    def end(self, handle: _Chat) -> None:
-        handle.messages.clear()
 
     # -- generation ----------------------------------------------------------------------------
 
