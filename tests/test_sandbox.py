@@ -275,6 +275,38 @@ def test_rlimit_fallback_works_and_warns():
     assert isolation_mode(SandboxConfig(isolation="rlimit")) == "rlimit"
 
 
+@strict
+def test_strict_sandbox_works_with_a_runtime_under_tmp(tmp_path):
+    # A checkout or venv in a temporary folder (CI clones into one) must not be hidden by the
+    # sandbox's own /tmp: neither at start-up nor for a module the code imports lazily.
+    import subprocess
+    import sys
+    import sysconfig
+
+    assert str(tmp_path).startswith("/tmp/")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    site = next(venv.glob("lib/python*/site-packages"))
+    (site / "host.pth").write_text(f"{sysconfig.get_paths()['purelib']}\n{REPO}\n")
+    (site / "probe_under_tmp.py").write_text("VALUE = 42\n")
+    # World-writable, so only a read-only mount (not file ownership) can refuse the write below.
+    (site / "probe_under_tmp.py").chmod(0o666)
+    script = (
+        "from pipelines.agent.sandbox import Sandbox, bwrap_available\n"
+        "from pipelines.config.sandbox import SandboxConfig\n"
+        "assert bwrap_available(), 'bwrap cannot start this interpreter'\n"
+        "with Sandbox(SandboxConfig(isolation='bwrap', timeout_s=10)) as s:\n"
+        "    r = s.run('import probe_under_tmp\\nprint(probe_under_tmp.VALUE)')\n"
+        "    w = s.run('open(probe_under_tmp.__file__, \"a\").write(\"x\")')\n"
+        "    print(r.status, r.stdout.strip(), w.status, w.stderr.strip().splitlines()[-1:])\n")
+    out = subprocess.run([str(venv / "bin" / "python"), "-c", script], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[:3] == ["ok", "42", "error"], out.stdout
+    assert "Read-only file system" in out.stdout, out.stdout
+    assert (site / "probe_under_tmp.py").read_text() == "VALUE = 42\n"
+
+
 def test_result_json_shape(sbx):
     data = sbx.run("print('hi')\nplt.plot([1]); plt.show()").to_json(image_paths=["a.png"])
     assert set(data) >= {"status", "stdout", "stderr", "images", "duration_s"}

@@ -178,6 +178,9 @@ def _base_bwrap_args() -> list[str]:
         args += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
     else:
         args += ["--unshare-user", "--uid", "65534", "--gid", "65534"]
+    # The tmpfs comes first: a runtime bound below /tmp (a checkout in a temporary folder) must
+    # be mounted on top of it, not hidden by it.
+    args += ["--perms", "1777", "--tmpfs", "/tmp"]
     args += _parent_dirs([*_runtime_paths(), SANDBOX_ZYGOTE_PATH])
     for p in _runtime_paths():
         args += ["--ro-bind", p, p]
@@ -188,8 +191,7 @@ def _base_bwrap_args() -> list[str]:
             args += ["--ro-bind", link, link]
     if os.path.exists("/etc/ld.so.cache"):
         args += ["--ro-bind", "/etc/ld.so.cache", "/etc/ld.so.cache"]
-    args += ["--dev", "/dev", "--perms", "1777", "--tmpfs", "/tmp", "--proc", "/proc", "--chdir", "/tmp",
-             "--clearenv"]
+    args += ["--dev", "/dev", "--proc", "/proc", "--chdir", "/tmp", "--clearenv"]
     for key, value in _sandbox_env().items():
         args += ["--setenv", key, value]
     return args

@@ -41,7 +41,7 @@ CLONE_NEWIPC = 0x08000000
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWPID = 0x20000000
 CLONE_NEWNET = 0x40000000
-MS_REC, MS_PRIVATE, MS_NOSUID, MS_NODEV = 0x4000, 0x40000, 0x2, 0x4
+MS_REC, MS_PRIVATE, MS_NOSUID, MS_NODEV, MS_BIND = 0x4000, 0x40000, 0x2, 0x4, 0x1000
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 4, 24, 38
 SYS_CAPSET = 126  # x86_64
 MAX_FRAME = 256 * 1024 * 1024
@@ -142,8 +142,25 @@ def enter_namespaces(tmp_mb: int) -> None:
     _write("/proc/self/uid_map", f"{uid} {uid} 1\n")
     _write("/proc/self/gid_map", f"{gid} {gid} 1\n")
     _check(libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None), "make mounts private")
+    # A Python runtime under /tmp (a checkout or venv in a temporary folder) would vanish under
+    # the private /tmp: hold it by descriptor and bind it back (read-only, as bwrap mounted it).
+    held = [(p, os.open(p, os.O_PATH | os.O_DIRECTORY)) for p in _runtime_under_tmp()]
     opts = f"size={tmp_mb}m,mode=1777".encode()
     _check(libc.mount(b"tmpfs", b"/tmp", b"tmpfs", MS_NOSUID | MS_NODEV, opts), "mount /tmp")
+    for path, fd in held:
+        os.makedirs(path, exist_ok=True)
+        _check(libc.mount(f"/proc/self/fd/{fd}".encode(), path.encode(), None, MS_BIND | MS_REC,
+                          None), f"bind {path}")
+        os.close(fd)
+
+
+def _runtime_under_tmp() -> list[str]:
+    """The interpreter's folders that lie under /tmp, outermost only."""
+    found = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix,
+                                           os.path.dirname(sys.executable), *sys.path)
+             if p and os.path.isdir(p)}
+    under = sorted(p for p in found if p.startswith("/tmp/"))
+    return [p for p in under if not any(p != q and p.startswith(q + "/") for q in under)]
 
 
 def hide_proc() -> None:
