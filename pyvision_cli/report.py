@@ -27,7 +27,7 @@ def report(
     plots) into --out; `json` prints {"runs": [..], "results": [..]} on stdout.
     """
     from pipelines.errors import UserError
-    from pipelines.report import collect, results_table, to_json, write_report
+    from pipelines.report import collect, to_json, write_report
     from pipelines.store import Store
 
     if fmt not in FORMATS:
@@ -37,17 +37,23 @@ def report(
         print_json(to_json(collect(st, run)))
         return
     if fmt == "table":
-        from rich.table import Table
-
-        data = collect(st, run)
-        header, rows = results_table(data)
-        table = Table(title="results (primary metric, %)")
-        for h in header:
-            table.add_column(h)
-        for row in rows:
-            table.add_row(*row)
-        err.print(table if rows else "no evaluation results in the store for these runs")
+        print_results(st, run)
         return
     written = write_report(st, run, [fmt], out or Path("runs") / "report")
     for kind, path in written.items():
         err.print(f"{kind}: {path}")
+
+
+def print_results(store, runs: list[str] | None) -> None:
+    """The results table (runs x models by benchmarks, primary metric) on stderr."""
+    from rich.table import Table
+
+    from pipelines.report import collect, results_table
+
+    header, rows = results_table(collect(store, runs))
+    table = Table(title="results (primary metric, %)")
+    for h in header:
+        table.add_column(h)
+    for row in rows:
+        table.add_row(*row)
+    err.print(table if rows else "no evaluation results in the store for these runs")

@@ -48,6 +48,10 @@ def run(
                                for k, v in info.items() if k not in ("status", "seconds"))[:160]
         table.add_row(stage, info["status"], str(info.get("seconds", "-")), highlights)
     err.print(table)
+    if "eval" in summary:
+        from pyvision_cli.report import print_results
+
+        print_results(st, [rid])
     report = Path(cfg.runs_dir) / rid / "report" / "report.html"
     if report.exists():
         err.print(f"report: {report}")

@@ -34,6 +34,9 @@ def test_embedded_recipe_end_to_end_reduced(tmp_path):
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     stages = json.loads(result.stdout[result.stdout.index("{"):])["stages"]
+    # The run ends with its results, base / sft / rl by benchmark, not only the stage table.
+    tail = result.output[result.output.rindex("results (primary metric, %)"):]
+    assert all(m in tail for m in ("base", "sft", "rl", "synth-image", "synth-video")), tail
     assert [s for s in stages] == ["data", "sft", "rl", "merge", "eval", "report"]
     assert all(v["status"] == "done" for v in stages.values())
     run = tmp_path / "runs" / "ci"
