@@ -18,7 +18,7 @@ from benchmarks.scoring import verify
 from pipelines.data.records import read_conversations, read_tasks
 from pipelines.data.solvers import plan
 from pipelines.data.synth import FAMILIES, PALETTE, synthesize
-from pipelines.errors import DataError, UserError
+from pipelines.errors import UserError
 from pyvision_cli.data import app
 
 
@@ -51,8 +51,6 @@ def test_deterministic_prefix_stable_and_splits_disjoint(tmp_path, image_set):
     held = tmp_path / "held"
     synthesize("image-search", 5, 7, held, split="heldout", families=FAMILIES["image-search"],
                progress=False)
-    base = [json.loads(l)["question"] + json.loads(l)["answer"]
-            for l in (prefix / "tasks.jsonl").read_text().splitlines()]
     for d in (other, held):
         imgs = {f.read_bytes() for f in (d / "media").iterdir()}
         assert not imgs & {f.read_bytes() for f in (prefix / "media").iterdir()}
