@@ -31,3 +31,66 @@ def make_sharegpt(root: Path, n: int = 8) -> tuple[str, str]:
         "file_name": "train.jsonl", "formatting": "sharegpt",
         "columns": {"messages": "conversations", "images": "images"}}}))
     return str(root), "pyvision_sft"
+
+
+def chat_completion(text: str, stop_reason: str | None = None, finish: str = "stop",
+                    usage: dict | None = None) -> dict:
+    """An OpenAI chat-completion body, as vLLM's server returns it."""
+    return {"choices": [{"message": {"content": text}, "finish_reason": finish,
+                         "stop_reason": stop_reason}],
+            "usage": usage or {"prompt_tokens": 100, "completion_tokens": 20}}
+
+
+class FakeOpenAI:
+    """An OpenAI-compatible endpoint on 127.0.0.1 for tests (policies, judges, the eval engine).
+
+    ``respond(request_body) -> (status, payload)`` answers each POST; with ``threaded`` it runs on
+    one thread per request, so a test can check that a client really sends requests concurrently.
+    GET answers the model list. Parsed requests are kept in ``requests``. A context manager."""
+
+    def __init__(self, respond, *, threaded: bool = False, model: str = "qwen") -> None:
+        import threading
+        from http.server import BaseHTTPRequestHandler, HTTPServer, ThreadingHTTPServer
+
+        self.requests: list[dict] = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _send(self, status: int, payload: dict) -> None:
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):  # noqa: N802 - http.server's API
+                self._send(200, {"object": "list", "data": [{"id": model}]})
+
+            def do_POST(self):  # noqa: N802 - http.server's API
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+                outer.requests.append(body)
+                self._send(*respond(body))
+
+            def log_message(self, *args):
+                return None
+
+        self.httpd = (ThreadingHTTPServer if threaded else HTTPServer)(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def __enter__(self) -> "FakeOpenAI":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def scripted_openai(replies: list[tuple[int, dict]]) -> FakeOpenAI:
+    """A sequential endpoint that answers with ``replies`` in order, then with 500."""
+    queue = list(replies)
+    return FakeOpenAI(lambda body: queue.pop(0) if queue else (500, {}))

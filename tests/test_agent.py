@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
 import pytest
@@ -20,6 +18,7 @@ from pipelines.config.agent import AgentConfig
 from pipelines.config.sandbox import SandboxConfig
 from pipelines.data.records import Task
 from pipelines.errors import DataError, EndpointError
+from tests.helpers import chat_completion, scripted_openai
 
 CODE_TURN = ("Let me measure.\n<code>\n```python\nprint(image_clue_0.size)\n"
              "plt.imshow(image_clue_0); plt.show()\n```\n</code>")
@@ -183,46 +182,10 @@ def test_hf_batched_equals_single_under_greedy(tiny_model_dir, image_task):
     assert [g.text for g in batch] == [g.text for g in single]
 
 
-class _Server:
-    """A tiny OpenAI-compatible server on 127.0.0.1 returning scripted completions."""
-
-    def __init__(self, replies: list[tuple[int, dict]]):
-        self.replies = list(replies)
-        self.requests: list[dict] = []
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):  # noqa: N802 - http.server's API
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                server.requests.append(body)
-                status, reply = server.replies.pop(0) if server.replies else (500, {})
-                data = json.dumps(reply).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args):
-                return None
-
-        self.httpd = HTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.httpd.shutdown()
-
-
-def _completion(text, stop_reason=None, finish="stop"):
-    return {"choices": [{"message": {"content": text}, "finish_reason": finish,
-                         "stop_reason": stop_reason}],
-            "usage": {"prompt_tokens": 100, "completion_tokens": 20}}
-
-
 def test_openai_policy_against_local_server(image_task):
-    server = _Server([(500, {}), (200, _completion(CODE_TURN.removesuffix("</code>"), "</code>")),
-                      (200, _completion(ANSWER_TURN))])
+    server = scripted_openai([(500, {}),
+                              (200, chat_completion(CODE_TURN.removesuffix("</code>"), "</code>")),
+                              (200, chat_completion(ANSWER_TURN))])
     try:
         policy = OpenAIPolicy(server.url, "served", backoff_s=0.01, max_retries=2)
         (traj,) = _run(policy, image_task)
@@ -243,7 +206,7 @@ def test_openai_endpoint_down_is_a_clear_error(image_task):
     policy = OpenAIPolicy("http://127.0.0.1:9", "m", backoff_s=0.01, max_retries=2, timeout_s=2)
     with pytest.raises(EndpointError, match=r"did not answer after 3 tries"):
         _run(policy, image_task)
-    server = _Server([(503, {})] * 3)
+    server = scripted_openai([(503, {})] * 3)
     try:
         with pytest.raises(EndpointError, match="HTTP 503"):
             _run(OpenAIPolicy(server.url, "m", backoff_s=0.01, max_retries=2), image_task)

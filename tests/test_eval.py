@@ -183,10 +183,10 @@ def test_uniform_frames_baseline_spends_visual_tokens(tiny_model_dir: Path, data
 
 
 def test_configured_judge_scores_mathverse_and_is_recorded(data_root: Path) -> None:
-    from tests.test_agent import _Server
+    from tests.helpers import chat_completion, scripted_openai
 
-    verdict = {"choices": [{"message": {"content": "Judgement: 1"}}]}
-    judge = _Server([(200, verdict), (200, verdict)])
+    verdict = chat_completion("Judgement: 1")
+    judge = scripted_openai([(200, verdict), (200, verdict)])
     store = Store()
     try:
         results = run_eval(_recipe(f"reward.judge.base_url={judge.url}"), model="scripted",

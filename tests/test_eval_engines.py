@@ -9,7 +9,6 @@ import json
 import sys
 import threading
 import types
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ from pipelines.agent.policies.chat import visual_tokens_for
 from pipelines.config.agent import AgentConfig
 from pipelines.store import Store
 from pyvision_cli.eval import app
+from tests.helpers import FakeOpenAI, chat_completion
 from tests.test_benchmarks import make_vstar_dir
 
 FAST = ["agent.max_new_tokens_per_turn=8", "agent.max_turns_eval=3",
@@ -173,61 +173,35 @@ def test_missing_vllm_says_how_to_install_it(monkeypatch, vstar_dir: Path) -> No
 # -- OpenAI-compatible server, concurrent ---------------------------------------------------------
 
 
-class _ConcurrentServer:
+class _ConcurrentServer(FakeOpenAI):
     """A threaded OpenAI-compatible server whose replies depend on the conversation, not on the
-    arrival order (tests/test_agent.py's server is sequential and order-scripted). Every first
-    turn waits at a barrier until ``parties`` requests are in flight at once, so the test fails
-    unless the client really sends them concurrently."""
+    arrival order (tests/helpers.py's scripted server is sequential). Every first turn waits at
+    a barrier until ``parties`` requests are in flight at once, so the test fails unless the
+    client really sends them concurrently."""
 
     def __init__(self, parties: int) -> None:
-        self.barrier = threading.Barrier(parties, timeout=60)
-        self.lock = threading.Lock()
+        barrier = threading.Barrier(parties, timeout=60)
+        lock = threading.Lock()
         self.in_flight = self.max_in_flight = 0
-        self.requests: list[dict] = []
-        server = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def _send(self, payload: dict) -> None:
-                data = json.dumps(payload).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+        def respond(body: dict) -> tuple[int, dict]:
+            with lock:
+                self.in_flight += 1
+                self.max_in_flight = max(self.max_in_flight, self.in_flight)
+            try:
+                if not any(m["role"] == "assistant" for m in body["messages"]):
+                    barrier.wait()
+                    # vLLM strips the stop string and names it in stop_reason.
+                    text, stop = CODE.removesuffix("</code>"), "</code>"
+                else:
+                    text, stop = ANSWER, None
+            finally:
+                with lock:
+                    self.in_flight -= 1
+            return 200, chat_completion(text, stop, usage={"prompt_tokens": 120,
+                                                           "completion_tokens": 9})
 
-            def do_GET(self):
-                self._send({"object": "list", "data": [{"id": "qwen"}]})
-
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                with server.lock:
-                    server.requests.append(body)
-                    server.in_flight += 1
-                    server.max_in_flight = max(server.max_in_flight, server.in_flight)
-                try:
-                    if not any(m["role"] == "assistant" for m in body["messages"]):
-                        server.barrier.wait()
-                        # vLLM strips the stop string and names it in stop_reason.
-                        reply = (CODE.removesuffix("</code>"), "</code>")
-                    else:
-                        reply = (ANSWER, None)
-                finally:
-                    with server.lock:
-                        server.in_flight -= 1
-                self._send({"choices": [{"message": {"content": reply[0]}, "finish_reason": "stop",
-                                         "stop_reason": reply[1]}],
-                            "usage": {"prompt_tokens": 120, "completion_tokens": 9}})
-
-            def log_message(self, *args):
-                return None
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        super().__init__(respond, threaded=True)
 
 
 def test_engine_openai_sends_requests_concurrently(vstar_dir: Path) -> None:

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import threading
-from http.server import BaseHTTPRequestHandler, HTTPServer
-
 import pytest
 import torch
 
@@ -17,6 +13,7 @@ from pipelines.rl.judge import Judge, family_of, judge_prompt
 from pipelines.rl.rewards import compute_reward
 from pipelines.rl.strategy import Group, Rollout, Selector, broken_reason, select_groups
 from pipelines.store import Store
+from tests.helpers import FakeOpenAI, chat_completion, scripted_openai
 
 COUNT = Task(id="c", data_source="synth/image-search", question="How many red objects?",
              answer="3", answer_type="number")
@@ -72,30 +69,9 @@ def test_choice_by_letter_and_mra_modes():
 # -- judge --------------------------------------------------------------------------------------
 
 
-class JudgeServer:
-    def __init__(self, replies):
-        self.replies, self.requests = list(replies), []
-        outer = self
-
-        class H(BaseHTTPRequestHandler):
-            def do_POST(self):
-                outer.requests.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-                status, text = outer.replies.pop(0) if outer.replies else (500, "")
-                body = json.dumps({"choices": [{"message": {"content": text}}]}).encode()
-                self.send_response(status)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *a):
-                return None
-
-        self.httpd = HTTPServer(("127.0.0.1", 0), H)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self):
-        self.httpd.shutdown()
+def judge_server(replies: list[tuple[int, str]]) -> FakeOpenAI:
+    """A judge endpoint answering ``(status, text)`` replies in order."""
+    return scripted_openai([(status, chat_completion(text)) for status, text in replies])
 
 
 def _judge(url, store=None, retries=2):
@@ -103,7 +79,7 @@ def _judge(url, store=None, retries=2):
 
 
 def test_judge_answers_and_caches(tmp_path):
-    server = JudgeServer([(200, "Judgement: 1"), (200, "Judgement: 0")])
+    server = judge_server([(200, "Judgement: 1"), (200, "Judgement: 0")])
     store = Store(tmp_path / "s.duckdb")
     try:
         judge = _judge(server.url, store)
@@ -133,7 +109,7 @@ def test_judge_outage_falls_back_and_is_counted():
 
 
 def test_judge_garbage_and_500s():
-    server = JudgeServer([(500, ""), (200, "I think they match"), (200, "Judgement: 1")])
+    server = judge_server([(500, ""), (200, "I think they match"), (200, "Judgement: 1")])
     try:
         judge = _judge(server.url, retries=1)
         assert judge.judge("Q", "a", "b", "x") is None  # 500 then unreadable
@@ -257,7 +233,7 @@ def test_judge_outage_cools_down_then_retries():
     stats = judge.stats()
     assert stats["requests"] == 2 and stats["skipped"] == 2 and stats["fallbacks"] == 3
     # After the cool-down the endpoint is tried again (and answers now).
-    server = JudgeServer([(200, "Judgement: 1")])
+    server = judge_server([(200, "Judgement: 1")])
     try:
         judge.url = f"{server.url}/v1"
         judge._down_until = 0.0  # as if OUTAGE_COOLDOWN_S had passed

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -25,6 +24,7 @@ from pipelines.rl.local_utils import STATE_FILE, list_checkpoints
 from pipelines.rl.rewards import RewardBreakdown
 from pipelines.rundir import stage_dir
 from pipelines.store import Store
+from tests.helpers import FakeOpenAI, chat_completion
 
 ENGINE = [
     "seed=3", "model.device=cpu", "model.dtype=float32",
@@ -180,45 +180,30 @@ def test_resume_without_checkpoint_starts_over(tiny_model_dir, rl_tasks, tmp_pat
 # -- the judge inside a step ------------------------------------------------------------------
 
 
-class GatheringJudge:
+class GatheringJudge(FakeOpenAI):
     """An OpenAI-compatible judge that answers only once ``parties`` requests are in flight
     together (so a client that sends them one by one gets errors after ``wait_s``)."""
 
     def __init__(self, parties: int, wait_s: float = 10.0) -> None:
-        self.in_flight, self.peak, self.requests = 0, 0, 0
-        self.barrier = threading.Barrier(parties, timeout=wait_s)
+        self.in_flight = self.peak = 0
+        barrier = threading.Barrier(parties, timeout=wait_s)
         lock = threading.Lock()
-        outer = self
 
-        class H(BaseHTTPRequestHandler):
-            def do_POST(self):
-                self.rfile.read(int(self.headers["Content-Length"]))
+        def respond(body: dict) -> tuple[int, dict]:
+            with lock:
+                self.in_flight += 1
+                self.peak = max(self.peak, self.in_flight)
+            try:
+                barrier.wait()
+                status = 200
+            except threading.BrokenBarrierError:
+                status = 503
+            finally:
                 with lock:
-                    outer.in_flight += 1
-                    outer.requests += 1
-                    outer.peak = max(outer.peak, outer.in_flight)
-                try:
-                    outer.barrier.wait()
-                    status = 200
-                except threading.BrokenBarrierError:
-                    status = 503
-                with lock:
-                    outer.in_flight -= 1
-                body = json.dumps({"choices": [{"message": {"content": "Judgement: 1"}}]}).encode()
-                self.send_response(status)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                    self.in_flight -= 1
+            return status, chat_completion("Judgement: 1")
 
-            def log_message(self, *a):
-                return None
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
+        super().__init__(respond, threaded=True)
 
 
 def fake_traj(answer: str) -> SimpleNamespace:
@@ -249,7 +234,7 @@ def test_judge_requests_of_a_step_run_concurrently(tmp_path):
         server.close()
     # All eight were in flight at once (the server answers nothing before that), and the judge
     # decided: it said 1 although the rule verifier cannot read "seven".
-    assert server.requests == 8 and server.peak == 8
+    assert len(server.requests) == 8 and server.peak == 8
     assert all(r.judged and r.correct and r.total == pytest.approx(1.1) for r in rewards)
 
 

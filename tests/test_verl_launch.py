@@ -7,10 +7,8 @@ import importlib
 import json
 import os
 import sys
-import threading
 import types
 from collections import defaultdict
-from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +22,7 @@ from pipelines.config.rl import StrategyConfig
 from pipelines.data.records import Task
 from pipelines.rl.verl.overrides import VerlPaths, render, render_overrides
 from pipelines.rl.verl.reward import TERMS
+from tests.helpers import FakeOpenAI, chat_completion
 
 # -- a TransferQueue stand-in ------------------------------------------------------------------
 # verl's v1 ReplayBuffer talks to TransferQueue (not installed on CPU machines; verl[vllm] brings
@@ -290,22 +289,8 @@ def test_override_values_survive_hydra_quoting(tmp_path):
 # -- reward through verl's naive reward manager --------------------------------------------------
 
 
-def _judge_server(verdict: str) -> HTTPServer:
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self):
-            self.rfile.read(int(self.headers["Content-Length"]))
-            body = json.dumps({"choices": [{"message": {"content": verdict}}]}).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    server = HTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server
+def _judge_server(verdict: str) -> FakeOpenAI:
+    return FakeOpenAI(lambda body: (200, chat_completion(verdict)))
 
 
 def _row(task: Task, tokenizer, text: str, loop_fields: dict | None):
@@ -335,7 +320,7 @@ def test_reward_entry_through_verls_naive_reward_manager(tiny_model_dir, tmp_pat
     server = _judge_server("Judgement: 1")
     try:
         recipe = load_recipe(RECIPES_DIR / "pyvision-image-7b.yaml",
-                             (f"reward.judge.base_url=http://127.0.0.1:{server.server_port}",))
+                             (f"reward.judge.base_url={server.url}",))
         paths = VerlPaths(tmp_path / "runs" / "r" / "rl")
         paths.stage.mkdir(parents=True)
         paths.recipe.write_text(json.dumps(recipe.model_dump(mode="json")))  # YAML is a JSON superset
@@ -377,7 +362,7 @@ def test_reward_entry_through_verls_naive_reward_manager(tiny_model_dir, tmp_pat
         r = score(text_task, "", dict(loop, final_answer="the red sphere", successful_calls=1))
         assert (r["score"], r["judged"], r["judge_fallback"]) == (pytest.approx(1.1), 1.0, 0.0)
     finally:
-        server.shutdown()
+        server.close()
 
 
 # -- launch: dry run through the CLI, the subprocess path with a fake interpreter -----------------
