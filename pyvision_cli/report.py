@@ -45,15 +45,24 @@ def report(
 
 
 def print_results(store, runs: list[str] | None) -> None:
-    """The results table (runs x models by benchmarks, primary metric) on stderr."""
+    """The results table (runs x models by benchmarks, primary metric) and the paired model
+    comparisons on stderr."""
     from rich.table import Table
 
-    from pipelines.report import collect, results_table
+    from pipelines.report import COMPARISON_HEADER, collect, comparison_rows, results_table
 
-    header, rows = results_table(collect(store, runs))
+    data = collect(store, runs)
+    header, rows = results_table(data)
     table = Table(title="results (primary metric, %)")
     for h in header:
         table.add_column(h)
     for row in rows:
         table.add_row(*row)
     err.print(table if rows else "no evaluation results in the store for these runs")
+    if data.comparisons:
+        table = Table(title="paired comparisons (ahead/behind only when the 95% interval excludes 0)")
+        for h in COMPARISON_HEADER:
+            table.add_column(h)
+        for row in comparison_rows(data):
+            table.add_row(*row)
+        err.print(table)

@@ -116,3 +116,65 @@ def test_html_renders_in_headless_chromium(tmp_path):
     result = json.loads(dom[start:dom.index("</pre>", start)].replace("&quot;", '"'))
     assert result["rows"] == 3 and result["cells"][:2] == ["demo", "rl"]
     assert result["images"] == 2 and result["loaded"] == 2
+
+
+def test_paired_bootstrap_is_deterministic_and_brackets_the_mean():
+    from pipelines.report import paired_bootstrap, verdict
+
+    assert paired_bootstrap([1.0] * 10) == (1.0, 1.0, 1.0)
+    deltas = [1.0, 0.0, -1.0, 0.0, 1.0, 1.0, 0.0, 0.0]
+    mean, low, high = paired_bootstrap(deltas)
+    assert mean == pytest.approx(0.25) and low < mean < high
+    assert paired_bootstrap(deltas) == (mean, low, high)
+    assert verdict(low, high) == "not separable"
+    assert verdict(0.01, 0.2) == "ahead" and verdict(-0.3, -0.1) == "behind"
+    with pytest.raises(ValueError):
+        paired_bootstrap([])
+
+
+def _fill_per_sample(store: Store, correct: dict[str, set[int]], n: int = 40) -> None:
+    store.upsert_run("r", "tiny-cpu", config={})
+    for model, right in correct.items():
+        for i in range(n):
+            store.add_eval_record(EvalRecord(
+                run_id="r", model=model, benchmark="synth-image", sample_id=f"s{i}",
+                benchmark_version="1", prompt_version="image@v1", prompt_hash="h",
+                scorer="verify@1", prediction="x", stop_reason="answered", turns=2, tool_calls=1,
+                failed_calls=0, visual_tokens=16, total_tokens=100, duration_s=0.1,
+                trajectory=None, scores={"accuracy": float(i in right)}))
+        store.set_eval_aggregate("r", model, "synth-image", {"accuracy": len(right) / n}, n=n,
+                                 benchmark_version="1", prompt_version="image@v1",
+                                 scorer="verify@1")
+
+
+def test_report_compares_models_on_paired_samples(tmp_path):
+    store = Store()
+    # SFT gains 3 samples over base (too few to call); RL keeps SFT's and gains 20 more.
+    _fill_per_sample(store, {"base": {0, 1}, "sft": {0, 1, 2, 3, 4}, "rl": set(range(25))})
+    data = collect(store)
+    got = {(c["model"], c["baseline"]): c for c in data.comparisons}
+    assert set(got) == {("sft", "base"), ("rl", "sft")}
+    rl = got[("rl", "sft")]
+    assert rl["n"] == 40 and rl["delta"] == pytest.approx(0.5) and rl["ci_low"] > 0.3
+    assert rl["verdict"] == "ahead"
+    assert got[("sft", "base")]["delta"] == pytest.approx(0.075)
+    assert got[("sft", "base")]["verdict"] == "not separable"
+    written = write_report(store, None, ["markdown", "json"], tmp_path / "rep")
+    md = Path(written["markdown"]).read_text()
+    assert "| r | synth-image | rl vs sft | accuracy | 40 | 62.5 vs 12.5 | +50.0 |" in md
+    js = json.loads(Path(written["json"]).read_text())
+    assert [c["verdict"] for c in js["comparisons"]] == ["not separable", "ahead"]
+
+
+def test_comparison_uses_only_samples_both_models_answered():
+    store = Store()
+    _fill_per_sample(store, {"sft": {0, 1}, "rl": {0, 1, 2}}, n=10)
+    # A resumed RL evaluation with extra samples must not be compared on those.
+    store.add_eval_record(EvalRecord(
+        run_id="r", model="rl", benchmark="synth-image", sample_id="extra",
+        benchmark_version="1", prompt_version="image@v1", prompt_hash="h", scorer="verify@1",
+        prediction="x", stop_reason="answered", turns=1, tool_calls=0, failed_calls=0,
+        visual_tokens=0, total_tokens=1, duration_s=0.1, trajectory=None,
+        scores={"accuracy": 1.0}))
+    (cmp,) = collect(store).comparisons
+    assert cmp["n"] == 10 and cmp["value"] == pytest.approx(0.3)

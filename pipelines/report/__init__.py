@@ -5,6 +5,11 @@ the paper's tables: base vs SFT vs RL), per-step training metrics (reward and it
 tool calls per trajectory, response length, kept and dropped groups, SFT loss), and per-sample
 evaluation records (visual tokens per sample, stop reasons). Several runs can be compared side by
 side.
+
+Held-out sets are small (the embedded demo's have 48 and 32 samples), so a difference of a few
+points between two models can be noise. Within a run, the report therefore compares SFT with base
+and RL with SFT on the samples both answered: the mean paired difference and its 95% bootstrap
+interval, and a verdict that says "ahead" or "behind" only when the interval excludes zero.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ MODEL_ORDER = {"base": 0, "sft": 1, "rl": 2}
 CURVE_ORDER = ("reward/mean", "reward/accuracy", "reward/tool", "accuracy", "tool_calls/mean",
                "turns/mean", "response_length/mean", "strategy/kept_groups",
                "strategy/dropped_zero_variance", "entropy", "grad_norm", "loss")
+# (challenger, baseline) pairs compared within a run, in the order the method produces them.
+COMPARISONS = (("sft", "base"), ("rl", "sft"))
 
 
 @dataclass
@@ -34,6 +41,7 @@ class ReportData:
     results: list[dict[str, Any]]
     curves: dict[str, dict[str, list[tuple[int, float]]]] = field(default_factory=dict)
     eval_stats: list[dict[str, Any]] = field(default_factory=list)
+    comparisons: list[dict[str, Any]] = field(default_factory=list)
 
     def benchmarks(self) -> list[str]:
         return sorted({r["benchmark"] for r in self.results})
@@ -49,6 +57,69 @@ def primary_metric(metrics: Iterable[str]) -> str:
         if m in names:
             return m
     return sorted(names)[0]
+
+
+def paired_bootstrap(deltas: list[float], *, resamples: int = 2000, level: float = 0.95,
+                     seed: int = 0) -> tuple[float, float, float]:
+    """Mean of paired per-sample differences and its percentile bootstrap interval.
+
+    Deterministic for a given ``seed``, so a report rendered twice says the same thing."""
+    import numpy as np
+
+    d = np.asarray(deltas, dtype=float)
+    if d.size == 0:
+        raise ValueError("no paired samples to compare")
+    idx = np.random.default_rng(seed).integers(0, d.size, size=(resamples, d.size))
+    means = d[idx].mean(axis=1)
+    tail = (1.0 - level) / 2.0
+    return float(d.mean()), float(np.quantile(means, tail)), float(np.quantile(means, 1.0 - tail))
+
+
+def verdict(low: float, high: float) -> str:
+    if low > 0:
+        return "ahead"
+    if high < 0:
+        return "behind"
+    return "not separable"
+
+
+def compare_models(store: Any, run_id: str, models: set[str], benchmark: str
+                   ) -> list[dict[str, Any]]:
+    """Paired comparisons (see ``COMPARISONS``) of one run's models on one benchmark."""
+    out = []
+    scores = {m: store.eval_scores(run_id, m, benchmark) for m in models}
+    for challenger, baseline in COMPARISONS:
+        if challenger not in scores or baseline not in scores:
+            continue
+        a, b = scores[challenger], scores[baseline]
+        common = sorted(set(a) & set(b))
+        names = {k for sid in common for k in a[sid] if k in b[sid]}
+        if not names:
+            continue
+        metric = primary_metric(names)
+        pairs = [(a[s][metric], b[s][metric]) for s in common
+                 if a[s].get(metric) is not None and b[s].get(metric) is not None]
+        if not pairs:
+            continue
+        delta, low, high = paired_bootstrap([x - y for x, y in pairs])
+        out.append({"run": run_id, "benchmark": benchmark, "model": challenger,
+                    "baseline": baseline, "metric": metric, "n": len(pairs),
+                    "value": sum(x for x, _ in pairs) / len(pairs),
+                    "baseline_value": sum(y for _, y in pairs) / len(pairs),
+                    "delta": delta, "ci_low": low, "ci_high": high, "level": 0.95,
+                    "verdict": verdict(low, high)})
+    return out
+
+
+def comparison_rows(data: ReportData) -> list[list[str]]:
+    return [[c["run"], c["benchmark"], f"{c['model']} vs {c['baseline']}", c["metric"], str(c["n"]),
+             f"{100 * c['value']:.1f} vs {100 * c['baseline_value']:.1f}",
+             f"{100 * c['delta']:+.1f}", f"[{100 * c['ci_low']:+.1f}, {100 * c['ci_high']:+.1f}]",
+             c["verdict"]] for c in data.comparisons]
+
+
+COMPARISON_HEADER = ["run", "benchmark", "comparison", "metric", "n", "value (%)", "difference",
+                     "95% interval", "verdict"]
 
 
 def collect(store: Any, run_ids: list[str] | None = None) -> ReportData:
@@ -70,6 +141,7 @@ def collect(store: Any, run_ids: list[str] | None = None) -> ReportData:
                 "scorer": a["scorer"]} for a in store.eval_aggregates(ids)] if ids else []
     curves: dict[str, dict[str, list[tuple[int, float]]]] = {}
     stats = []
+    comparisons: list[dict[str, Any]] = []
     for rid in ids:
         per: dict[str, list[tuple[int, float]]] = defaultdict(list)
         for m in store.metrics(rid):
@@ -77,6 +149,12 @@ def collect(store: Any, run_ids: list[str] | None = None) -> ReportData:
                 per[f"{m['stage']}/{m['name']}"].append((int(m["step"]), float(m["value"])))
         if per:
             curves[rid] = dict(per)
+        by_bench: dict[str, set[str]] = defaultdict(set)
+        for r in results:
+            if r["run"] == rid:
+                by_bench[r["benchmark"]].add(r["model"])
+        for bench in sorted(by_bench):
+            comparisons += compare_models(store, rid, by_bench[bench], bench)
         groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
         for rec in store.eval_records(rid):
             groups[(rec["model"], rec["benchmark"])].append(rec)
@@ -94,13 +172,15 @@ def collect(store: Any, run_ids: list[str] | None = None) -> ReportData:
                 "stop_reasons": dict(sorted(reasons.items())),
             })
     return ReportData(runs=[{k: (str(v) if k == "created_at" else v) for k, v in r.items()}
-                            for r in runs], results=results, curves=curves, eval_stats=stats)
+                            for r in runs], results=results, curves=curves, eval_stats=stats,
+                      comparisons=comparisons)
 
 
 def to_json(data: ReportData) -> dict[str, Any]:
     return {"runs": data.runs,
             "results": [{k: r[k] for k in ("run", "model", "benchmark", "metric", "value")}
                         for r in data.results],
+            "comparisons": data.comparisons,
             "eval_stats": data.eval_stats}
 
 
@@ -203,6 +283,12 @@ def to_markdown(data: ReportData, images: dict[str, Path] | None = None) -> str:
         lines += ["| " + " | ".join(r) + " |" for r in rows]
     else:
         lines.append("No evaluation results in the store for these runs.")
+    if data.comparisons:
+        lines += ["", "## Model comparisons (paired, same samples)", "",
+                  "| " + " | ".join(COMPARISON_HEADER) + " |", "|" + "---|" * len(COMPARISON_HEADER)]
+        lines += ["| " + " | ".join(r) + " |" for r in comparison_rows(data)]
+        lines += ["", "A verdict says ahead or behind only when the 95% bootstrap interval of the "
+                  "paired difference excludes zero."]
     if data.eval_stats:
         lines += ["", "## Visual tokens and stop reasons", "",
                   "| run | model | benchmark | n | visual tokens/sample | turns | tool calls | stop reasons |",
@@ -244,6 +330,11 @@ def to_html(data: ReportData, images: dict[str, Path] | None = None) -> str:
              + "</p>", "<h2>Results (primary metric, %)</h2>"]
     parts.append(_html_table(header, rows, "results") if rows else
                  "<p>No evaluation results in the store for these runs.</p>")
+    if data.comparisons:
+        parts.append("<h2>Model comparisons (paired, same samples)</h2>")
+        parts.append(_html_table(COMPARISON_HEADER, comparison_rows(data), "comparisons"))
+        parts.append("<p class='small'>A verdict says ahead or behind only when the 95% bootstrap "
+                     "interval of the paired difference excludes zero.</p>")
     for name, path in (images or {}).items():
         b64 = base64.b64encode(path.read_bytes()).decode()
         parts.append(f"<h2>{html.escape(name.replace('_', ' ').capitalize())}</h2>"
