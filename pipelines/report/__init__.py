@@ -33,6 +33,7 @@ CURVE_ORDER = ("reward/mean", "reward/accuracy", "reward/tool", "accuracy", "too
                "strategy/dropped_zero_variance", "entropy", "grad_norm", "loss")
 # (challenger, baseline) pairs compared within a run, in the order the method produces them.
 COMPARISONS = (("sft", "base"), ("rl", "sft"))
+LEVEL = 0.95  # of the bootstrap interval around a paired difference
 
 
 @dataclass
@@ -59,7 +60,7 @@ def primary_metric(metrics: Iterable[str]) -> str:
     return sorted(names)[0]
 
 
-def paired_bootstrap(deltas: list[float], *, resamples: int = 2000, level: float = 0.95,
+def paired_bootstrap(deltas: list[float], *, resamples: int = 2000, level: float = LEVEL,
                      seed: int = 0) -> tuple[float, float, float]:
     """Mean of paired per-sample differences and its percentile bootstrap interval.
 
@@ -106,7 +107,7 @@ def compare_models(store: Any, run_id: str, models: set[str], benchmark: str
                     "baseline": baseline, "metric": metric, "n": len(pairs),
                     "value": sum(x for x, _ in pairs) / len(pairs),
                     "baseline_value": sum(y for _, y in pairs) / len(pairs),
-                    "delta": delta, "ci_low": low, "ci_high": high, "level": 0.95,
+                    "delta": delta, "ci_low": low, "ci_high": high, "level": LEVEL,
                     "verdict": verdict(low, high)})
     return out
 
