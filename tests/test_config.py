@@ -7,7 +7,7 @@ import typing
 from pathlib import Path
 
 import pytest
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from pipelines.config.base import Section
 from pipelines.config.loader import apply_overrides, load_config
@@ -116,7 +116,7 @@ def test_bad_set_syntax():
 
 def test_config_is_frozen():
     recipe = load_recipe()
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError, match="frozen"):
         recipe.rl.n = 3  # type: ignore[misc]
 
 
