@@ -34,6 +34,8 @@ CURVE_ORDER = ("reward/mean", "reward/accuracy", "reward/tool", "accuracy", "too
 # (challenger, baseline) pairs compared within a run, in the order the method produces them.
 COMPARISONS = (("sft", "base"), ("rl", "sft"))
 LEVEL = 0.95  # of the bootstrap interval around a paired difference
+COMPARISON_NOTE = ("A verdict says ahead or behind only when the 95% bootstrap interval of the "
+                   "paired difference excludes zero.")
 
 
 @dataclass
@@ -88,7 +90,8 @@ def compare_models(store: Any, run_id: str, models: set[str], benchmark: str
                    ) -> list[dict[str, Any]]:
     """Paired comparisons (see ``COMPARISONS``) of one run's models on one benchmark."""
     out = []
-    scores = {m: store.eval_scores(run_id, m, benchmark) for m in models}
+    compared = {m for pair in COMPARISONS for m in pair}
+    scores = {m: store.eval_scores(run_id, m, benchmark) for m in models & compared}
     for challenger, baseline in COMPARISONS:
         if challenger not in scores or baseline not in scores:
             continue
@@ -288,8 +291,7 @@ def to_markdown(data: ReportData, images: dict[str, Path] | None = None) -> str:
         lines += ["", "## Model comparisons (paired, same samples)", "",
                   "| " + " | ".join(COMPARISON_HEADER) + " |", "|" + "---|" * len(COMPARISON_HEADER)]
         lines += ["| " + " | ".join(r) + " |" for r in comparison_rows(data)]
-        lines += ["", "A verdict says ahead or behind only when the 95% bootstrap interval of the "
-                  "paired difference excludes zero."]
+        lines += ["", COMPARISON_NOTE]
     if data.eval_stats:
         lines += ["", "## Visual tokens and stop reasons", "",
                   "| run | model | benchmark | n | visual tokens/sample | turns | tool calls | stop reasons |",
@@ -334,8 +336,7 @@ def to_html(data: ReportData, images: dict[str, Path] | None = None) -> str:
     if data.comparisons:
         parts.append("<h2>Model comparisons (paired, same samples)</h2>")
         parts.append(_html_table(COMPARISON_HEADER, comparison_rows(data), "comparisons"))
-        parts.append("<p class='small'>A verdict says ahead or behind only when the 95% bootstrap "
-                     "interval of the paired difference excludes zero.</p>")
+        parts.append(f"<p class='small'>{html.escape(COMPARISON_NOTE)}</p>")
     for name, path in (images or {}).items():
         b64 = base64.b64encode(path.read_bytes()).decode()
         parts.append(f"<h2>{html.escape(name.replace('_', ' ').capitalize())}</h2>"
