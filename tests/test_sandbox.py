@@ -311,6 +311,57 @@ def test_strict_sandbox_works_with_a_runtime_under_tmp(tmp_path):
     assert (site / "probe_under_tmp.py").read_text() == "VALUE = 42\n"
 
 
+@pytest.mark.parametrize("mode", ["rlimit", pytest.param("bwrap", marks=strict)])
+def test_libraries_outside_site_packages_reach_the_sandbox(tmp_path, monkeypatch, mode):
+    # `python -I` ignores PYTHONPATH: a preloaded library installed with `pip install --target`
+    # (a cluster module, the GPU machine's layout) must still be importable inside.
+    from pipelines.agent import sandbox as sandbox_mod
+
+    root = tmp_path / "target"
+    root.mkdir()
+    (root / "probe_target.py").write_text("VALUE = 42\n")
+    monkeypatch.syspath_prepend(str(root))
+    monkeypatch.setattr(sandbox_mod, "PRELOADED_MODULES",
+                        (*sandbox_mod.PRELOADED_MODULES, "probe_target"))
+    monkeypatch.setattr(sandbox_mod, "_ZYGOTES", {})  # a fresh zygote sees the new roots
+    roots = sandbox_mod._import_roots()
+    assert str(root) in roots
+    assert str(REPO) not in roots  # the checkout is on sys.path here, never in the sandbox
+    try:
+        with Sandbox(SandboxConfig(isolation=mode, timeout_s=10)) as s:
+            out = _ok(s.run("import sys, probe_target\n"
+                            f"print(probe_target.VALUE, {str(REPO)!r} in sys.path)"))
+    finally:
+        sandbox_mod.shutdown()
+    assert out.split() == ["42", "False"]
+
+
+@pytest.mark.parametrize("mode", ["rlimit", pytest.param("bwrap", marks=strict)])
+def test_a_sandbox_that_cannot_open_its_video_says_why(tmp_path, monkeypatch, mode):
+    from pipelines.agent import sandbox as sandbox_mod
+
+    root = tmp_path / "shadow"
+    (root / "decord").mkdir(parents=True)
+    (root / "decord" / "__init__.py").write_text("raise ImportError('planted')\n")
+    real_roots = sandbox_mod._import_roots
+    monkeypatch.setattr(sandbox_mod, "_import_roots", lambda: [str(root), *real_roots()])
+    monkeypatch.setattr(sandbox_mod, "_ZYGOTES", {})
+    video = tmp_path / "clip.mp4"
+    _tiny_mp4(video)
+    try:
+        with pytest.raises(sandbox_mod.SandboxSetupError,
+                           match="decord is not importable in the sandbox.*video_clue_0"
+                                 ".*Fix: install decord") as info:
+            Sandbox(SandboxConfig(isolation=mode, timeout_s=10), videos={"video_clue_0": video})
+        assert info.value.exit_code == 2
+        # Images need no decord: the same zygote still serves them.
+        with Sandbox(SandboxConfig(isolation=mode, timeout_s=10),
+                     images={"image_clue_0": Image.new("RGB", (8, 8))}) as s:
+            assert _ok(s.run("print(image_clue_0.size)")).strip() == "(8, 8)"
+    finally:
+        sandbox_mod.shutdown()
+
+
 def test_result_json_shape(sbx):
     data = sbx.run("print('hi')\nplt.plot([1]); plt.show()").to_json(image_paths=["a.png"])
     assert set(data) >= {"status", "stdout", "stderr", "images", "duration_s"}

@@ -43,6 +43,7 @@ and reach the network).
 from __future__ import annotations
 
 import atexit
+import importlib.util
 import io
 import json
 import os
@@ -70,6 +71,10 @@ SANDBOX_ZYGOTE_PATH = "/opt/pyvision/zygote.py"
 MAX_HEADER_BYTES = 64 * 1024 * 1024
 MAX_IMAGE_BYTES = 32 * 1024 * 1024
 MAX_IMAGE_PIXELS = 64 * 1024 * 1024
+# A worker that cannot load its media exits with this code after one stderr line starting with
+# the prefix (both as in _zygote.py, which cannot import this package).
+SETUP_FAILED_EXIT = 72
+WORKER_FAILURE_PREFIX = "sandbox worker: "
 SIGNAL_NAMES = {4: "SIGILL", 6: "SIGABRT", 7: "SIGBUS", 8: "SIGFPE", 9: "SIGKILL",
                 11: "SIGSEGV", 24: "SIGXCPU", 25: "SIGXFSZ"}
 
@@ -113,6 +118,10 @@ def bwrap_available() -> bool:
 _warned_rlimit = False
 
 
+class SandboxSetupError(UserError):
+    """The sandbox could not load a task's media (decord missing, a video it cannot open)."""
+
+
 def isolation_mode(config: SandboxConfig | None = None) -> Literal["bwrap", "rlimit"]:
     """What ``config.isolation`` resolves to on this machine."""
     global _warned_rlimit
@@ -140,13 +149,41 @@ def isolation_mode(config: SandboxConfig | None = None) -> Literal["bwrap", "rli
     return mode
 
 
+# What the runtime preloads (see _zygote._preload); their import roots must reach the zygote.
+PRELOADED_MODULES = ("numpy", "matplotlib", "PIL", "scipy", "decord")
+
+
+def _import_roots() -> list[str]:
+    """The import-path folders the sandboxed interpreter needs, in this process's order.
+
+    The zygote runs ``python -I``, which ignores PYTHONPATH, so libraries installed outside the
+    interpreter's own site-packages (``pip install --target`` folders on PYTHONPATH, a cluster's
+    module system) would be missing inside. These are the site folders on ``sys.path`` plus the
+    folders that hold the preloaded libraries; never the checkout or the working directory.
+    """
+    needed: set[str] = set()
+    for name in PRELOADED_MODULES:
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            spec = None
+        if spec is None or not spec.origin:
+            continue
+        where = os.path.dirname(os.path.realpath(spec.origin))
+        needed.add(os.path.dirname(where) if spec.submodule_search_locations else where)
+    roots: list[str] = []
+    for p in sys.path:
+        real = os.path.realpath(p) if p else ""
+        if (real and os.path.isdir(real) and real not in roots
+                and ("-packages" in real or real in needed)):
+            roots.append(real)
+    return roots
+
+
 def _runtime_paths() -> list[str]:
     """Folders the sandboxed interpreter needs, read-only: the venv, the base Python, libraries."""
     paths = {os.path.realpath(sys.prefix), os.path.realpath(sys.base_prefix),
-             os.path.dirname(os.path.realpath(sys.executable))}
-    for p in sys.path:
-        if p and os.path.isdir(p) and "site-packages" in p:
-            paths.add(os.path.realpath(p))
+             os.path.dirname(os.path.realpath(sys.executable)), *_import_roots()}
     for lib in ("/usr/lib", "/usr/lib64", "/usr/local/lib"):
         if os.path.isdir(lib):
             paths.add(lib)
@@ -256,12 +293,13 @@ class _Zygote:
         if self.mode == "bwrap":
             argv = ["bwrap", *_base_bwrap_args(), "--ro-bind", str(ZYGOTE_SCRIPT),
                     SANDBOX_ZYGOTE_PATH, "--", sys.executable, "-I", "-B",
-                    SANDBOX_ZYGOTE_PATH, str(fd), "strict"]
+                    SANDBOX_ZYGOTE_PATH, str(fd), "strict", os.pathsep.join(_import_roots())]
             env = None
             cwd = None
         else:
             self.tmp_base = tempfile.mkdtemp(prefix="pyvision-sandbox-")
-            argv = [sys.executable, "-I", "-B", str(ZYGOTE_SCRIPT), str(fd), "rlimit"]
+            argv = [sys.executable, "-I", "-B", str(ZYGOTE_SCRIPT), str(fd), "rlimit",
+                    os.pathsep.join(_import_roots())]
             env = {**_sandbox_env(), "HOME": self.tmp_base, "MPLCONFIGDIR": self.tmp_base,
                    "TMPDIR": self.tmp_base}
             cwd = self.tmp_base
@@ -338,6 +376,17 @@ class _Zygote:
         with self.cond:
             self.cond.wait_for(lambda: sid in self.exits or not self._alive(), timeout=timeout)
             return self.exits.pop(sid, None)
+
+    def worker_failure(self, timeout: float) -> str | None:
+        """The reason a worker gave for failing its set-up (it writes one line to stderr)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for line in reversed(self.stderr_tail):
+                if line.startswith(WORKER_FAILURE_PREFIX):
+                    return line[len(WORKER_FAILURE_PREFIX):]
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.02)
 
     def forget(self, sid: str) -> None:
         """Nobody will wait for ``sid``'s exit event: drop it now or when it arrives."""
@@ -503,6 +552,11 @@ class Sandbox:
         except (OSError, EOFError, ValueError) as exc:
             self._zygote.kill(self._sid)
             info = self._zygote.wait_exit(self._sid, 2.0)
+            if info and info.get("code") == SETUP_FAILED_EXIT:
+                raise SandboxSetupError(
+                    self._zygote.worker_failure(1.0) or "the sandbox could not load its media",
+                    hint="install decord==0.6.0 for the Python that runs pyvision and check the "
+                         "video file; `pyvision doctor` checks the sandbox") from None
             raise RuntimeError(f"sandbox failed to start ({exc}; exit {info}); zygote log: "
                                + " | ".join(self._zygote.stderr_tail[-5:])) from None
         self._sock = sock

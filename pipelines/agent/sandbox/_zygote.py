@@ -416,7 +416,19 @@ _pumps = _FdPumps()
 # -- worker ------------------------------------------------------------------------------------
 
 
-def worker_main(sock: socket.socket, limits: dict, preloaded: dict, mode: str) -> None:
+SETUP_FAILED = 72
+
+
+def _setup_failed(setup_fd: int, message: str) -> None:
+    """End a worker that could not load its media: the reason goes to the host's zygote log."""
+    os.write(setup_fd, f"sandbox worker: {message}\n".encode("utf-8", "replace"))
+    os._exit(SETUP_FAILED)
+
+
+def worker_main(sock: socket.socket, limits: dict, preloaded: dict, mode: str,
+                setup_fd: int) -> None:
+    """Load the media, then run code until the host hangs up. ``setup_fd`` is the zygote's
+    stderr, open only until the media are loaded (the code's own output is captured)."""
     init = json.loads(recv_frame(sock))
     workdir = "/tmp" if mode == "strict" else tempfile.mkdtemp(prefix="pyvision-sbx-")
     os.chdir(workdir)
@@ -438,7 +450,14 @@ def worker_main(sock: socket.socket, limits: dict, preloaded: dict, mode: str) -
             with open(path, "wb") as fh:
                 fh.write(blob)
             del blob
-            runtime.globals[spec["name"]] = preloaded["decord"].VideoReader(path)
+            if "decord" not in preloaded:
+                _setup_failed(setup_fd, f"decord is not importable in the sandbox "
+                                        f"({sys.executable}), so {spec['name']} cannot be opened")
+            try:
+                runtime.globals[spec["name"]] = preloaded["decord"].VideoReader(path)
+            except Exception as exc:  # noqa: BLE001 - decord raises its own DECORDError
+                _setup_failed(setup_fd, f"decord cannot open {spec['name']}: {exc}")
+    os.close(setup_fd)
     send_frame(sock, json.dumps({"ready": True}).encode())
     while True:
         try:
@@ -498,9 +517,10 @@ def spawn(conn_fd: int, limits: dict, preloaded: dict, mode: str, control_fd: in
                 drop_capabilities()
             apply_rlimits(limits)
             libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+            setup_fd = os.dup(2)
             _pumps.start()
             try:
-                worker_main(sock, limits, preloaded, mode)
+                worker_main(sock, limits, preloaded, mode, setup_fd)
             finally:
                 os._exit(0)
         os.close(conn_fd)
@@ -573,5 +593,14 @@ def zygote_main(control_fd: int, mode: str) -> None:
                         pass
 
 
+def extend_import_path(entries: str) -> None:
+    """Add the host's import roots (os.pathsep-separated) ahead of the interpreter's own site
+    folders, as PYTHONPATH would have placed them; ``-I`` left them out."""
+    extra = [p for p in entries.split(os.pathsep) if p and p not in sys.path]
+    at = next((i for i, p in enumerate(sys.path) if "-packages" in p), len(sys.path))
+    sys.path[at:at] = extra
+
+
 if __name__ == "__main__":
+    extend_import_path(sys.argv[3] if len(sys.argv) > 3 else "")
     zygote_main(int(sys.argv[1]), sys.argv[2])
