@@ -407,3 +407,20 @@ def test_rl_after_short_sft_raises_mean_reward(tmp_path, monkeypatch):
     print("RL curve:", json.dumps({k: [round(v or 0, 3) for v in vs] for k, vs in curve.items()}))
     assert rise >= 0.15, curve
     assert mean(curve["accuracy"][last]) > mean(curve["accuracy"][first]), curve
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_local_engine_trains_on_cuda_in_bf16(tiny_model_dir, rl_tasks, tmp_path, monkeypatch):
+    # The rollouts, the log-probs and the PPO update all on the GPU (advantages included).
+    monkeypatch.setattr(LocalEngine, "rewards", token_reward)
+    overrides = [o for o in ENGINE if not o.startswith(("model.device", "model.dtype"))]
+    recipe = load_recipe(None, [*overrides, "model.device=cuda", "model.dtype=bfloat16",
+                                "rl.local.steps=2"])
+    sd, store, _ = run_rl(recipe, tmp_path, "cuda", tiny_model_dir, rl_tasks)
+    steps = per_step(store, "cuda")
+    assert sorted(steps) == [0, 1]
+    assert all(REQUIRED <= set(m) for m in steps.values())
+    assert any(m["grad_norm"] > 0 for m in steps.values())
+    before, after = weights(tiny_model_dir), weights(sd.path / "model")
+    assert any(not torch.equal(before[k].float(), after[k].float()) for k in before)

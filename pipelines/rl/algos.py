@@ -27,7 +27,8 @@ def grpo_advantages(rewards: Sequence[float], group_index: Sequence[Any], respon
     last = (mask.cumsum(-1) == mask.sum(-1, keepdim=True)) & (mask > 0)
     # One scalar per response, placed on its last token (verl sums over tokens).
     first_last = last & (last.cumsum(-1) == 1)
-    scores[first_last] = torch.tensor(list(rewards), dtype=scores.dtype)[first_last.any(-1)]
+    scores[first_last] = torch.tensor(list(rewards), dtype=scores.dtype,
+                                     device=scores.device)[first_last.any(-1)]
     advantages, _ = compute_grpo_outcome_advantage(
         token_level_rewards=scores, response_mask=mask,
         index=np.array([str(g) for g in group_index], dtype=object),

@@ -282,7 +282,8 @@ class LocalEngine:
                     part = idx[k: k + MICRO_BATCH]
                     lp, ent, mask = self._logprobs(self.model, [seqs[i] for i in part],
                                                    with_entropy=alg.entropy_coef > 0)
-                    adv = torch.tensor([advs[i] for i in part], dtype=lp.dtype)[:, None] * mask
+                    adv = torch.tensor([advs[i] for i in part], dtype=lp.dtype,
+                                       device=lp.device)[:, None] * mask
                     loss, m = policy_loss(aligned(old, part, lp), lp, adv, mask, alg,
                                           batch_num_tokens=n_tokens, global_batch_size=len(idx))
                     if alg.entropy_coef > 0:
