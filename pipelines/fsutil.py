@@ -59,3 +59,38 @@ def atomic_dir(path: str | Path, *, overwrite: bool = False) -> Iterator[Path]:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, path)
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+_CHUNK = 1 << 20
+
+
+def weights_fingerprint(model: str | Path) -> str | None:
+    """A short digest of a local model folder's weight files; None for anything else (a hub id,
+    a served model), whose identity the caller cannot check.
+
+    Small files (up to 64 MiB) are hashed whole. Larger ones contribute their size, their first
+    and last MiB and three MiB from the middle: retraining rewrites every tensor, so any of them
+    changes, while a 15 GB checkpoint is not read in full.
+    """
+    import hashlib
+
+    root = Path(model)
+    if not root.is_dir():
+        return None
+    files = sorted(p for p in root.rglob("*") if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))
+    if not files:
+        return None
+    digest = hashlib.sha256()
+    for path in files:
+        size = path.stat().st_size
+        digest.update(f"{path.relative_to(root)}\0{size}\0".encode())
+        with path.open("rb") as fh:
+            if size <= 64 * _CHUNK:
+                for block in iter(lambda: fh.read(8 * _CHUNK), b""):
+                    digest.update(block)
+                continue
+            for offset in (0, size // 4, size // 2, 3 * size // 4, size - _CHUNK):
+                fh.seek(offset)
+                digest.update(fh.read(_CHUNK))
+    return digest.hexdigest()[:16]

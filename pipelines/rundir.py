@@ -133,9 +133,13 @@ class StageDir:
 
     def begin(self, *, force: bool = False) -> None:
         """Create the stage directory and record config and environment (manifest comes last)."""
-        if force and self.path.exists():
-            shutil.rmtree(self.path)
-        elif not force:
+        if force:
+            if self.path.exists():
+                shutil.rmtree(self.path)
+            if self.store is not None:
+                # A redone stage must not leave the old attempt's metrics or results behind.
+                self.store.forget_stage(self.run_id, self.stage)
+        else:
             self.check_same_config()
         self.path.mkdir(parents=True, exist_ok=True)
         atomic_write_text(self.path / "config.yaml",

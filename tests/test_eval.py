@@ -263,6 +263,40 @@ def test_rerun_of_the_same_cli_run_id_adds_nothing(tiny_model_dir: Path, data_ro
         [(r["sample_id"], r["duration_s"]) for r in before]
 
 
+def test_weights_retrained_in_place_are_evaluated_again(tiny_model_dir: Path, data_root: Path,
+                                                        tmp_path: Path) -> None:
+    # `pyvision rl --force` rewrites the same model folder: the stored samples of the old weights
+    # must not stand in for the new ones.
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    args = ["--model", str(model), "--benchmarks", "mathverse", "--data-dir", str(data_root),
+            "--limit", "2", "--run-id", "retrained", "--model-tag", "rl", *SET_FAST]
+    assert runner.invoke(app, args).exit_code == 0
+
+    def fingerprints() -> set[str]:
+        rows = Store()._query("SELECT model_fingerprint FROM eval_trajectories "
+                              "WHERE run_id = 'retrained'")
+        return {r["model_fingerprint"] for r in rows}
+
+    (old,) = fingerprints()
+    weights = load_file(str(model / "model.safetensors"))
+    name = min(weights)
+    weights[name] = weights[name] + 1e-3
+    save_file(weights, str(model / "model.safetensors"), metadata={"format": "pt"})
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "2 stored samples came from other weights" in result.output
+    assert "2 new" in result.output
+    (new,) = fingerprints()
+    assert new != old
+    # Unchanged weights: a resume, nothing new.
+    assert "0 new" in runner.invoke(app, args).output
+
+
 # -- bad input ------------------------------------------------------------------------------------
 
 

@@ -80,3 +80,18 @@ def test_field_added_later_at_its_default_does_not_block_resume(tmp_path):
     changed = load_recipe(None, ["rl.verl.val_tasks=[data/vstar]"])
     with pytest.raises(UserError, match=r"rl\.verl\.val_tasks"):
         stage_dir(changed, "rl", "old", runs_dir=tmp_path).check_same_config()
+
+
+def test_force_forgets_the_old_attempts_records(tmp_path):
+    # A redone stage must not leave its first attempt's per-step metrics behind (they would
+    # double every step of the training curves).
+    store = Store(tmp_path / "s.duckdb")
+    recipe = load_recipe()
+    sd = stage_dir(recipe, "rl", "exp", runs_dir=tmp_path / "runs", store=store)
+    sd.begin()
+    store.log_metrics("exp", "rl", 0, {"reward/mean": 0.1})
+    store.log_metrics("exp", "sft", 0, {"loss": 2.0})
+    sd.finish({})
+    again = stage_dir(recipe, "rl", "exp", runs_dir=tmp_path / "runs", store=store)
+    again.begin(force=True)
+    assert [(m["stage"], m["name"]) for m in store.metrics("exp")] == [("sft", "loss")]

@@ -89,6 +89,65 @@ def test_eval_records_replace_not_duplicate(tmp_path):
     assert full["trajectory"] == {"turns": []}
 
 
+def _record(run_id="r", sample_id="1", fingerprint=None, model="rl"):
+    return EvalRecord(run_id=run_id, model=model, benchmark="vstar", sample_id=sample_id,
+                      benchmark_version="1", prompt_version="image@v1", prompt_hash="h",
+                      scorer="choice@1", prediction="A", stop_reason="answered", turns=2,
+                      tool_calls=1, failed_calls=0, visual_tokens=64, total_tokens=300,
+                      duration_s=0.5, trajectory=None, scores={"overall": 1.0},
+                      model_fingerprint=fingerprint)
+
+
+def test_stored_samples_count_as_done_only_for_the_same_weights(tmp_path):
+    store = Store(tmp_path / "s.duckdb")
+    store.add_eval_record(_record(sample_id="1", fingerprint="aaaa"))
+    store.add_eval_record(_record(sample_id="2", fingerprint="bbbb"))
+    store.add_eval_record(_record(sample_id="3", fingerprint=None))
+    assert store.eval_sample_ids("r", "rl", "vstar") == {"1", "2", "3"}
+    assert store.eval_sample_ids("r", "rl", "vstar", fingerprint="aaaa") == {"1"}
+    assert store.eval_sample_ids("r", "rl", "vstar", fingerprint=None) == {"3"}
+
+
+def test_a_version_1_store_gains_the_fingerprint_column(tmp_path):
+    import duckdb
+
+    from pipelines.store import MIGRATIONS_DIR
+
+    path = tmp_path / "old.duckdb"
+    con = duckdb.connect(str(path))
+    con.execute("CREATE TABLE schema_version (version INTEGER PRIMARY KEY, name VARCHAR, "
+                "applied_at TIMESTAMP DEFAULT current_timestamp)")
+    con.execute((MIGRATIONS_DIR / "001_initial.sql").read_text())
+    con.execute("INSERT INTO schema_version (version, name) VALUES (1, '001_initial')")
+    con.execute("INSERT INTO eval_trajectories (run_id, model, benchmark, sample_id, "
+                "benchmark_version, prompt_version, prompt_hash, scorer) "
+                "VALUES ('r', 'rl', 'vstar', '1', '1', 'v1', 'h', 's')")
+    con.close()
+    store = Store(path)
+    assert store.schema_version() == SCHEMA_VERSION >= 2
+    # Rows written before fingerprints existed match only "unknown weights".
+    assert store.eval_sample_ids("r", "rl", "vstar", fingerprint=None) == {"1"}
+    assert store.eval_sample_ids("r", "rl", "vstar", fingerprint="aaaa") == set()
+
+
+def test_forget_stage_drops_only_that_stage_of_that_run(tmp_path):
+    store = Store(tmp_path / "s.duckdb")
+    for run in ("r", "other"):
+        store.log_metrics(run, "rl", 0, {"reward/mean": 0.5})
+        store.log_metrics(run, "sft", 0, {"loss": 1.0})
+        store.add_eval_record(_record(run_id=run))
+        store.set_eval_aggregate(run, "rl", "vstar", {"overall": 1.0}, n=1, benchmark_version="1",
+                                 prompt_version="image@v1", scorer="choice@1")
+    store.forget_stage("r", "rl")
+    assert [m["stage"] for m in store.metrics("r")] == ["sft"]
+    assert store.eval_sample_ids("r", "rl", "vstar") == {"1"}
+    store.forget_stage("r", "eval")
+    assert store.eval_sample_ids("r", "rl", "vstar") == set()
+    assert store.eval_scores("r", "rl", "vstar") == {}
+    assert [a["run_id"] for a in store.eval_aggregates(["r", "other"])] == ["other"]
+    assert len(store.metrics("other")) == 2 and store.eval_sample_ids("other", "rl", "vstar") == {"1"}
+
+
 def test_failed_write_leaves_nothing(tmp_path):
     store = Store(tmp_path / "s.duckdb")
     rec = EvalRecord(run_id="r", model="base", benchmark="vstar", sample_id="1",

@@ -29,6 +29,7 @@ from pipelines.config.recipe import Recipe
 from pipelines.console import err
 from pipelines.data.records import Task
 from pipelines.errors import DataError, EndpointError
+from pipelines.fsutil import weights_fingerprint
 from pipelines.store import EvalRecord, Store
 
 if TYPE_CHECKING:
@@ -42,6 +43,8 @@ class _Plan:
     tasks: list[Task]
     done: set[str]
     scorer: str
+    stale: int = 0
+    """Stored samples of this benchmark that other weights produced (evaluated again)."""
 
     @property
     def pending(self) -> list[Task]:
@@ -132,6 +135,9 @@ def run_eval(recipe: Recipe, *, model: str, model_tag: str, benchmarks: list[str
     engine = engine or cfg.engine
     limit = limit if limit is not None else cfg.limit
     judge = _judge(recipe, store)
+    # Stored samples count as done only if these same weights produced them: a model folder
+    # retrained in place (`pyvision rl --force`) is evaluated again, not read from the store.
+    fingerprint = weights_fingerprint(model) if policy is None and engine != "openai" else None
     plans: list[_Plan] = []
     for name in dict.fromkeys(benchmarks):  # a name given twice runs once
         judged = _judge_kwargs(name, judge)
@@ -140,7 +146,9 @@ def run_eval(recipe: Recipe, *, model: str, model_tag: str, benchmarks: list[str
         scorer = bench.reference + (f"; judge {recipe.reward.judge.model}" if judged else "")
         data_dir = (data_dirs or {}).get(name) or cfg.data_dir
         tasks = bench.load(data_dir=data_dir, limit=limit)
-        plan = _Plan(name, bench, tasks, store.eval_sample_ids(run_id, model_tag, name), scorer)
+        done = store.eval_sample_ids(run_id, model_tag, name, fingerprint=fingerprint)
+        any_weights = store.eval_sample_ids(run_id, model_tag, name) & {t.id for t in tasks}
+        plan = _Plan(name, bench, tasks, done, scorer, stale=len(any_weights - done))
         check_media(name, plan.pending)
         plans.append(plan)
     if policy is None and any(p.pending for p in plans):
@@ -158,6 +166,10 @@ def run_eval(recipe: Recipe, *, model: str, model_tag: str, benchmarks: list[str
     for plan in plans:
         name, bench, pending, scorer = plan.name, plan.bench, plan.pending, plan.scorer
         by_id = {t.id: t for t in plan.tasks}
+        if plan.stale:
+            store.forget_eval_aggregate(run_id, model_tag, name)
+            err.print(f"{model_tag} on {name}: {plan.stale} stored samples came from other "
+                      f"weights than {model}; evaluating them again")
         start = time.monotonic()
         progress = _Progress(show_progress, f"eval {model_tag} on {name}", len(plan.tasks),
                              len(plan.tasks) - len(pending))
@@ -175,7 +187,8 @@ def run_eval(recipe: Recipe, *, model: str, model_tag: str, benchmarks: list[str
                     failed_calls=traj.failed_calls, visual_tokens=traj.visual_tokens,
                     total_tokens=(traj.prompt_tokens + traj.generated_tokens
                                   + traj.observation_tokens),
-                    duration_s=traj.total_s, trajectory=traj.to_json(), scores=scores)
+                    duration_s=traj.total_s, trajectory=traj.to_json(), scores=scores,
+                    model_fingerprint=fingerprint)
                 store.add_eval_record(rec)
                 if on_sample is not None:
                     on_sample(name, rec)

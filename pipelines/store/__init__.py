@@ -54,6 +54,8 @@ def _migrations() -> list[tuple[int, str, str]]:
 
 
 SCHEMA_VERSION = max(n for n, _, _ in _migrations())
+ANY_WEIGHTS = object()
+"""``eval_sample_ids`` default: samples stored by any weights."""
 
 
 def _is_lock_error(exc: Exception) -> bool:
@@ -83,6 +85,8 @@ class EvalRecord:
     duration_s: float
     trajectory: Mapping[str, Any] | None
     scores: Mapping[str, float]
+    model_fingerprint: str | None = None
+    """Digest of the weights that produced it (``fsutil.weights_fingerprint``); None if unknown."""
 
 
 class Store:
@@ -284,21 +288,44 @@ class Store:
                 "INSERT INTO eval_trajectories (run_id, model, benchmark, sample_id, "
                 "benchmark_version, prompt_version, prompt_hash, scorer, prediction, stop_reason, "
                 "turns, tool_calls, failed_calls, visual_tokens, total_tokens, duration_s, "
-                "trajectory) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "trajectory, model_fingerprint) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 key + [rec.benchmark_version, rec.prompt_version, rec.prompt_hash, rec.scorer,
                        rec.prediction, rec.stop_reason, rec.turns, rec.tool_calls,
                        rec.failed_calls, rec.visual_tokens, rec.total_tokens, rec.duration_s,
-                       json.dumps(rec.trajectory) if rec.trajectory is not None else None])
+                       json.dumps(rec.trajectory) if rec.trajectory is not None else None,
+                       rec.model_fingerprint])
             if rec.scores:
                 con.executemany(
                     "INSERT INTO eval_scores (run_id, model, benchmark, sample_id, metric, value) "
                     "VALUES (?, ?, ?, ?, ?, ?)",
                     [key + [m, None if v is None else float(v)] for m, v in rec.scores.items()])
 
-    def eval_sample_ids(self, run_id: str, model: str, benchmark: str) -> set[str]:
-        rows = self._query("SELECT sample_id FROM eval_trajectories WHERE run_id=? AND model=? "
-                           "AND benchmark=?", [run_id, model, benchmark])
-        return {r["sample_id"] for r in rows}
+    def eval_sample_ids(self, run_id: str, model: str, benchmark: str, *,
+                        fingerprint: str | None | object = ANY_WEIGHTS) -> set[str]:
+        """Samples stored for this run, model tag and benchmark; with ``fingerprint``, only
+        those these weights produced (None: only those whose weights were unknown too)."""
+        sql = "SELECT sample_id FROM eval_trajectories WHERE run_id=? AND model=? AND benchmark=?"
+        params: list[Any] = [run_id, model, benchmark]
+        if fingerprint is not ANY_WEIGHTS:
+            sql += " AND model_fingerprint IS NOT DISTINCT FROM ?"
+            params.append(fingerprint)
+        return {r["sample_id"] for r in self._query(sql, params)}
+
+    def forget_eval_aggregate(self, run_id: str, model: str, benchmark: str) -> None:
+        """Drop an aggregate whose samples are being evaluated again."""
+        with self._transaction() as con:
+            con.execute("DELETE FROM eval_aggregates WHERE run_id=? AND model=? AND benchmark=?",
+                        [run_id, model, benchmark])
+
+    def forget_stage(self, run_id: str, stage: str) -> None:
+        """Forget what a stage recorded (its metrics; for ``eval`` every evaluated sample of the
+        run): the stage is being redone from scratch."""
+        with self._transaction() as con:
+            con.execute("DELETE FROM metrics WHERE run_id=? AND stage=?", [run_id, stage])
+            if stage == "eval":
+                for table in ("eval_scores", "eval_trajectories", "eval_aggregates"):
+                    con.execute(f"DELETE FROM {table} WHERE run_id=?", [run_id])
 
     def eval_records(self, run_id: str, model: str | None = None, benchmark: str | None = None,
                      with_trajectory: bool = False) -> list[dict[str, Any]]:
