@@ -94,6 +94,47 @@ def _bwrap_check() -> Check:
     return Check("sandbox isolation", "ok", f"bubblewrap {path} creates namespaces")
 
 
+SANDBOX_LIBRARIES = {"np": "numpy", "Image": "PIL", "plt": "matplotlib", "decord": "decord"}
+
+
+def _sandbox_runtime_check() -> Check:
+    """Start a sandbox and list the libraries the model's code finds preloaded there.
+
+    The sandbox runs ``python -I`` in an emptied environment, so a library the host imports (from
+    PYTHONPATH, say) may still be missing inside; a missing decord fails every video task.
+    """
+    import warnings
+
+    start = time.monotonic()
+    try:
+        from pipelines.agent.sandbox import Sandbox
+        from pipelines.config.sandbox import SandboxConfig
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # no bubblewrap: the isolation check reports it
+            with Sandbox(SandboxConfig(timeout_s=30)) as sbx:
+                result = sbx.run(f"print(' '.join(k for k in {sorted(SANDBOX_LIBRARIES)!r} "
+                                 "if k in globals()))")
+    except Exception as exc:  # noqa: BLE001 - a sandbox that cannot start is the finding
+        return Check("sandbox runtime", "missing", f"a sandbox does not start: {exc}",
+                     "run `pyvision sandbox run` to see the error; reinstall with make install")
+    if result.status != "ok":
+        return Check("sandbox runtime", "missing",
+                     f"code in a new sandbox ended with {result.status}: {result.stderr[-200:]}",
+                     "reinstall with make install")
+    have = set(result.stdout.split())
+    lacking = [lib for name, lib in SANDBOX_LIBRARIES.items() if name not in have]
+    ms = (time.monotonic() - start) * 1000
+    if lacking:
+        return Check("sandbox runtime", "warn",
+                     f"not importable inside the sandbox: {', '.join(lacking)}"
+                     + (" (video tasks fail)" if "decord" in lacking else ""),
+                     f"install {', '.join(lacking)} for {sys.executable}, in its site-packages "
+                     "or on PYTHONPATH")
+    return Check("sandbox runtime", "ok",
+                 f"starts in {ms:.0f} ms with {', '.join(SANDBOX_LIBRARIES.values())} preloaded")
+
+
 def _store_check(store_path: Path) -> Check:
     if not store_path.exists():
         return Check("store", "ok", f"{store_path} (not created yet; made on first run)")
@@ -141,6 +182,7 @@ def run_checks(store_path: Path, *, hub_timeout_s: float = 3.0, check_hub: bool 
     checks += _package_checks()
     checks.append(_torch_check())
     checks.append(_bwrap_check())
+    checks.append(_sandbox_runtime_check())
     checks.append(_store_check(store_path))
     if check_hub:
         checks.append(_hub_check(hub_timeout_s))

@@ -82,7 +82,9 @@ def test_doctor_json_through_root_app(tmp_path):
     data = json.loads(result.stdout)
     names = {c["name"] for c in data["checks"]}
     assert {"python", "package torch", "package verl", "torch device", "sandbox isolation",
-            "store"} <= names
+            "sandbox runtime", "store"} <= names
+    (runtime,) = [c for c in data["checks"] if c["name"] == "sandbox runtime"]
+    assert runtime["status"] == "ok" and "decord" in runtime["found"], runtime
     assert data["ok"] is True
     assert all(c["status"] in ("ok", "warn", "missing") for c in data["checks"])
     assert all(c["fix"] for c in data["checks"] if c["status"] != "ok")

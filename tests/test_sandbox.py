@@ -362,6 +362,25 @@ def test_a_sandbox_that_cannot_open_its_video_says_why(tmp_path, monkeypatch, mo
         sandbox_mod.shutdown()
 
 
+def test_doctor_reports_a_library_the_sandbox_cannot_import(tmp_path, monkeypatch):
+    from pipelines import doctor
+    from pipelines.agent import sandbox as sandbox_mod
+
+    root = tmp_path / "shadow"
+    (root / "decord").mkdir(parents=True)
+    (root / "decord" / "__init__.py").write_text("raise ImportError('planted')\n")
+    real_roots = sandbox_mod._import_roots
+    monkeypatch.setattr(sandbox_mod, "_import_roots", lambda: [str(root), *real_roots()])
+    monkeypatch.setattr(sandbox_mod, "_ZYGOTES", {})
+    try:
+        check = doctor._sandbox_runtime_check()
+    finally:
+        sandbox_mod.shutdown()
+    assert check.status == "warn", check
+    assert check.found == "not importable inside the sandbox: decord (video tasks fail)"
+    assert "install decord" in check.fix
+
+
 def test_result_json_shape(sbx):
     data = sbx.run("print('hi')\nplt.plot([1]); plt.show()").to_json(image_paths=["a.png"])
     assert set(data) >= {"status", "stdout", "stderr", "images", "duration_s"}
