@@ -43,6 +43,7 @@ and reach the network).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import importlib.util
 import io
 import json
@@ -57,10 +58,11 @@ import threading
 import time
 import uuid
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Literal, Self
 
 from pipelines.config.sandbox import SandboxConfig
 from pipelines.errors import DataError, UserError
@@ -71,10 +73,9 @@ SANDBOX_ZYGOTE_PATH = "/opt/pyvision/zygote.py"
 MAX_HEADER_BYTES = 64 * 1024 * 1024
 MAX_IMAGE_BYTES = 32 * 1024 * 1024
 MAX_IMAGE_PIXELS = 64 * 1024 * 1024
-# A worker that cannot load its media exits with this code after one stderr line starting with
-# the prefix (both as in _zygote.py, which cannot import this package).
+# A worker that cannot load its media writes one stderr line "sandbox worker <id>: <reason>" and
+# exits with this code (as in _zygote.py, which cannot import this package).
 SETUP_FAILED_EXIT = 72
-WORKER_FAILURE_PREFIX = "sandbox worker: "
 SIGNAL_NAMES = {4: "SIGILL", 6: "SIGABRT", 7: "SIGBUS", 8: "SIGFPE", 9: "SIGKILL",
                 11: "SIGSEGV", 24: "SIGXCPU", 25: "SIGXFSZ"}
 
@@ -109,7 +110,7 @@ def bwrap_available() -> bool:
         return False
     try:
         proc = subprocess.run([path, *(_base_bwrap_args()), "--", sys.executable, "-I", "-c", "0"],
-                              capture_output=True, timeout=30)
+                              capture_output=True, timeout=30, check=False)
     except (OSError, subprocess.SubprocessError):
         return False
     return proc.returncode == 0
@@ -377,13 +378,14 @@ class _Zygote:
             self.cond.wait_for(lambda: sid in self.exits or not self._alive(), timeout=timeout)
             return self.exits.pop(sid, None)
 
-    def worker_failure(self, timeout: float) -> str | None:
-        """The reason a worker gave for failing its set-up (it writes one line to stderr)."""
+    def worker_failure(self, sid: str, timeout: float) -> str | None:
+        """The reason worker ``sid`` gave for failing its set-up (one line on stderr)."""
+        prefix = f"sandbox worker {sid}: "
         deadline = time.monotonic() + timeout
         while True:
             for line in reversed(self.stderr_tail):
-                if line.startswith(WORKER_FAILURE_PREFIX):
-                    return line[len(WORKER_FAILURE_PREFIX):]
+                if line.startswith(prefix):
+                    return line[len(prefix):]
             if time.monotonic() >= deadline:
                 return None
             time.sleep(0.02)
@@ -550,11 +552,16 @@ class Sandbox:
             if not ready.get("ready"):
                 raise RuntimeError("sandbox worker did not become ready")
         except (OSError, EOFError, ValueError) as exc:
-            self._zygote.kill(self._sid)
-            info = self._zygote.wait_exit(self._sid, 2.0)
-            if info and info.get("code") == SETUP_FAILED_EXIT:
+            # A worker that hung up has exited (or is about to): read its exit code before a
+            # kill would replace it with SIGKILL.
+            info = self._zygote.wait_exit(self._sid, 1.0) if isinstance(exc, EOFError) else None
+            if info is None:
+                self._zygote.kill(self._sid)
+                info = self._zygote.wait_exit(self._sid, 2.0)
+            reason = self._zygote.worker_failure(self._sid, 0.5)
+            if reason or (info and info.get("code") == SETUP_FAILED_EXIT):
                 raise SandboxSetupError(
-                    self._zygote.worker_failure(1.0) or "the sandbox could not load its media",
+                    reason or "the sandbox could not load its media",
                     hint="install decord==0.6.0 for the Python that runs pyvision and check the "
                          "video file; `pyvision doctor` checks the sandbox") from None
             raise RuntimeError(f"sandbox failed to start ({exc}; exit {info}); zygote log: "
@@ -582,7 +589,7 @@ class Sandbox:
                                                   for s in sizes):
                 raise ValueError("bad image sizes")
             images = [_recv_frame(sock, MAX_IMAGE_BYTES) for _ in sizes]
-        except socket.timeout:
+        except TimeoutError:
             self._kill()
             return ExecResult("timeout", "", note + f"TimeoutError: the code ran longer than "
                               f"{self.config.timeout_s:g} s and was stopped (with every process "
@@ -635,17 +642,15 @@ class Sandbox:
         if self._sock is not None:
             self._kill(wait=False)
 
-    def __enter__(self) -> "Sandbox":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):  # interpreter shutdown
             self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
 
 
 def _is_png(data: bytes) -> bool:

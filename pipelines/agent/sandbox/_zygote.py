@@ -20,6 +20,7 @@ apply.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import io
 import json
@@ -278,7 +279,7 @@ class Runtime:
                 if len(self.images) < self.limits["max_images_per_call"]:
                     # No tight bbox (it draws the figure twice) and fast PNG compression:
                     # together they halve the cost of a plt.show().
-                    self.images.append(self._png(lambda b: fig.savefig(
+                    self.images.append(self._png(lambda b: fig.savefig(  # noqa: B023 - called now
                         b, format="png", pil_kwargs={"compress_level": 1})))
                 else:
                     print("[sandbox: too many figures in one call; extra figures dropped]")
@@ -310,14 +311,14 @@ class Runtime:
         status, error = "ok", ""
         try:
             compiled = compile(code, "<code>", "exec")
-            exec(compiled, self.globals)
+            exec(compiled, self.globals)  # noqa: S102 - running the model's code is the point
             # Figures drawn but never shown are closed, not leaked into the next call.
             self.plt.close("all")
         except MemoryError:
             status, error = "oom", "MemoryError: the code exceeded the sandbox's memory limit"
         except SystemExit as exc:
-            status, error = "error", f"SystemExit: {exc.code!r} (sys.exit() ends nothing here; " \
-                                     "the runtime keeps its state)"
+            status, error = "error", (f"SystemExit: {exc.code!r} (sys.exit() ends nothing here; "
+                                      "the runtime keeps its state)")
         except BaseException:  # noqa: BLE001 - every user error becomes a result
             status = "error"
             etype, value, tb = sys.exc_info()
@@ -329,10 +330,8 @@ class Runtime:
             error = "Traceback (most recent call last):\n" + "".join(
                 traceback.format_list(frames)) + "".join(
                 traceback.format_exception_only(etype, value))
-            try:
+            with contextlib.suppress(Exception):
                 self.plt.close("all")
-            except Exception:  # noqa: BLE001
-                pass
         finally:
             sys.stdout, sys.stderr = old_out, old_err
         _pumps.drain()
@@ -419,14 +418,14 @@ _pumps = _FdPumps()
 SETUP_FAILED = 72
 
 
-def _setup_failed(setup_fd: int, message: str) -> None:
+def _setup_failed(setup_fd: int, sid: str, message: str) -> None:
     """End a worker that could not load its media: the reason goes to the host's zygote log."""
-    os.write(setup_fd, f"sandbox worker: {message}\n".encode("utf-8", "replace"))
+    os.write(setup_fd, f"sandbox worker {sid}: {message}\n".encode("utf-8", "replace"))
     os._exit(SETUP_FAILED)
 
 
 def worker_main(sock: socket.socket, limits: dict, preloaded: dict, mode: str,
-                setup_fd: int) -> None:
+                setup_fd: int, sid: str) -> None:
     """Load the media, then run code until the host hangs up. ``setup_fd`` is the zygote's
     stderr, open only until the media are loaded (the code's own output is captured)."""
     init = json.loads(recv_frame(sock))
@@ -451,12 +450,13 @@ def worker_main(sock: socket.socket, limits: dict, preloaded: dict, mode: str,
                 fh.write(blob)
             del blob
             if "decord" not in preloaded:
-                _setup_failed(setup_fd, f"decord is not importable in the sandbox "
-                                        f"({sys.executable}), so {spec['name']} cannot be opened")
+                _setup_failed(setup_fd, sid, f"decord is not importable in the sandbox "
+                                             f"({sys.executable}), so {spec['name']} cannot be "
+                                             "opened")
             try:
                 runtime.globals[spec["name"]] = preloaded["decord"].VideoReader(path)
             except Exception as exc:  # noqa: BLE001 - decord raises its own DECORDError
-                _setup_failed(setup_fd, f"decord cannot open {spec['name']}: {exc}")
+                _setup_failed(setup_fd, sid, f"decord cannot open {spec['name']}: {exc}")
     os.close(setup_fd)
     send_frame(sock, json.dumps({"ready": True}).encode())
     while True:
@@ -483,7 +483,8 @@ def _close_fds_except(keep: set[int]) -> None:
                 pass
 
 
-def spawn(conn_fd: int, limits: dict, preloaded: dict, mode: str, control_fd: int) -> int:
+def spawn(conn_fd: int, limits: dict, preloaded: dict, mode: str, control_fd: int,
+          sid: str) -> int:
     """Fork the processes of one sandbox; return the pid the zygote tracks."""
     pid = os.fork()
     if pid:
@@ -520,7 +521,7 @@ def spawn(conn_fd: int, limits: dict, preloaded: dict, mode: str, control_fd: in
             setup_fd = os.dup(2)
             _pumps.start()
             try:
-                worker_main(sock, limits, preloaded, mode, setup_fd)
+                worker_main(sock, limits, preloaded, mode, setup_fd, sid)
             finally:
                 os._exit(0)
         os.close(conn_fd)
@@ -579,7 +580,7 @@ def zygote_main(control_fd: int, mode: str) -> None:
             os._exit(0)
         msg = json.loads(data)
         if msg["op"] == "spawn" and fds:
-            pid = spawn(fds[0], msg["limits"], preloaded, mode, control.fileno())
+            pid = spawn(fds[0], msg["limits"], preloaded, mode, control.fileno(), msg["id"])
             children[pid] = msg["id"]
             control.send(json.dumps({"event": "spawned", "id": msg["id"]}).encode())
         elif msg["op"] == "kill":
