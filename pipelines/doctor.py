@@ -35,8 +35,8 @@ PACKAGES: dict[str, tuple[str, str]] = {
     "decord": ("video in the sandbox", "make install"),
     "av": ("writing synthetic videos", "make install"),
     "math-verify": ("maths verifier", "make install"),
-    "vllm": ("--engine vllm (optional)", "install vLLM in a separate GPU environment: "
-             "pip install vllm (see README, 'At scale')"),
+    "vllm": ("--engine vllm (optional)", ("install vLLM in a separate GPU environment: "
+                                          "pip install vllm (see README, 'At scale')")),
 }
 OPTIONAL = {"vllm"}
 
@@ -83,7 +83,7 @@ def _bwrap_check() -> Check:
                      "apt-get install bubblewrap")
     try:
         proc = subprocess.run([path, "--ro-bind", "/", "/", "--unshare-all", "--die-with-parent",
-                               "true"], capture_output=True, text=True, timeout=10)
+                               "true"], capture_output=True, text=True, timeout=10, check=False)
     except (OSError, subprocess.SubprocessError) as exc:
         return Check("sandbox isolation", "warn", f"bwrap at {path} failed to run: {exc}",
                      "check that user namespaces are enabled (sysctl kernel.unprivileged_userns_clone=1)")

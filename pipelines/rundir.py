@@ -17,9 +17,10 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import yaml
 from pydantic import BaseModel
@@ -52,7 +53,8 @@ def git_sha(cwd: str | Path | None = None) -> str | None:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=where, capture_output=True,
                              text=True, timeout=5, check=True).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               cwd=where, capture_output=True, text=True, timeout=5).stdout.strip()
+                               cwd=where, capture_output=True, text=True, timeout=5,
+                               check=False).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
     return sha + ("-dirty" if dirty else "") if sha else None

@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
-from pyvision_cli.common import ConfigOpt, JsonOpt, SetOpt, command, err, load_recipe, make_app, print_json
+from pyvision_cli.common import (
+    ConfigOpt,
+    JsonOpt,
+    SetOpt,
+    command,
+    err,
+    load_recipe,
+    make_app,
+    print_json,
+)
 
 app = make_app("Run one agent trajectory and show it turn by turn.", group=True)
 
@@ -16,12 +25,12 @@ app = make_app("Run one agent trajectory and show it turn by turn.", group=True)
 def run(
     model: Annotated[str, typer.Option(help="Local model folder, or http(s) URL of an OpenAI-compatible server.")],
     question: Annotated[str, typer.Option(help="The question to answer.")],
-    image: Annotated[Optional[list[Path]], typer.Option(help="Input image(s): image_clue_0, ...")] = None,
-    video: Annotated[Optional[Path], typer.Option(help="Input video: video_clue_0 (on-demand context).")] = None,
+    image: Annotated[list[Path] | None, typer.Option(help="Input image(s): image_clue_0, ...")] = None,
+    video: Annotated[Path | None, typer.Option(help="Input video: video_clue_0 (on-demand context).")] = None,
     served_model: Annotated[str, typer.Option(help="Model name sent to a server URL.")] = "default",
-    max_turns: Annotated[Optional[int], typer.Option(help="Most assistant turns [default: agent.max_turns_eval].", min=1)] = None,
-    temperature: Annotated[Optional[float], typer.Option(help="Sampling temperature [default: agent.eval_temperature].", min=0.0)] = None,
-    out_dir: Annotated[Optional[Path], typer.Option(help="Folder for the trajectory and its images [default: a temp dir].")] = None,
+    max_turns: Annotated[int | None, typer.Option(help="Most assistant turns [default: agent.max_turns_eval].", min=1)] = None,
+    temperature: Annotated[float | None, typer.Option(help="Sampling temperature [default: agent.eval_temperature].", min=0.0)] = None,
+    out_dir: Annotated[Path | None, typer.Option(help="Folder for the trajectory and its images [default: a temp dir].")] = None,
     config: ConfigOpt = None,
     set_: SetOpt = None,
     json_out: JsonOpt = False,

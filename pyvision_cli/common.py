@@ -13,17 +13,17 @@ import os
 import sys
 import traceback
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
+
+import typer
 
 # Typer 0.29 vendors its own click (typer._click); exceptions and commands must come from it to
 # be recognised by Typer's main loop.
 from typer import _click as click
-import typer
 from typer.core import TyperGroup
 
 from pipelines.console import err
 from pipelines.errors import UserError
-
 
 
 def debug_enabled() -> bool:
@@ -85,18 +85,18 @@ def command(app: typer.Typer, name: str | None = None, **kwargs: Any):
 
 # -- shared options --------------------------------------------------------------------------
 
-ConfigOpt = Annotated[Optional[Path], typer.Option(
+ConfigOpt = Annotated[Path | None, typer.Option(
     "--config", "-c", help="Recipe YAML (default: pipelines/recipes/tiny-cpu.yaml).",
     show_default=False)]
-SetOpt = Annotated[Optional[list[str]], typer.Option(
+SetOpt = Annotated[list[str] | None, typer.Option(
     "--set", help="Override a recipe key, e.g. --set rl.learning_rate=1e-6 (repeatable).",
     show_default=False)]
-StoreOpt = Annotated[Optional[Path], typer.Option(
+StoreOpt = Annotated[Path | None, typer.Option(
     "--store", envvar="PYVISION_STORE",
     help="DuckDB store file [default: runs/pyvision.duckdb].", show_default=False)]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout.")]
 ForceOpt = Annotated[bool, typer.Option("--force", help="Redo stages that already finished.")]
-RunIdOpt = Annotated[Optional[str], typer.Option(
+RunIdOpt = Annotated[str | None, typer.Option(
     "--run-id", help="Run id: runs/<run-id>/<stage>/ [default: the recipe's name].",
     show_default=False)]
 

@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
-from pyvision_cli.common import (ConfigOpt, ForceOpt, JsonOpt, RunIdOpt, SetOpt, StoreOpt, command,
-                                 err, load_recipe, make_app, print_json)
+from pyvision_cli.common import (
+    ConfigOpt,
+    ForceOpt,
+    JsonOpt,
+    RunIdOpt,
+    SetOpt,
+    StoreOpt,
+    command,
+    err,
+    load_recipe,
+    make_app,
+    print_json,
+)
 
 app = make_app("Synthesise, download, import, validate and export data.", group=True)
 
@@ -20,7 +31,7 @@ def synth(
     out: Annotated[Path, typer.Option(help="Output folder (tasks.jsonl + media/).")],
     seed: Annotated[int, typer.Option(help="Seed (tasks are a function of seed, split, index).", min=0)] = 0,
     split: Annotated[str, typer.Option(help="train | heldout (disjoint seed streams).")] = "train",
-    families: Annotated[Optional[str], typer.Option(help="Comma-separated families [default: all but text].")] = None,
+    families: Annotated[str | None, typer.Option(help="Comma-separated families [default: all but text].")] = None,
     force: ForceOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
@@ -69,7 +80,7 @@ def trajectories(
     tasks: Annotated[Path, typer.Option(help="Folder (or tasks.jsonl) of synthetic tasks.")],
     out: Annotated[Path, typer.Option(help="Output folder (conversations.jsonl + media/).")],
     seed: Annotated[int, typer.Option(help="Seed for the solvers' code and wording variants.", min=0)] = 0,
-    limit: Annotated[Optional[int], typer.Option(help="Only the first N tasks.", min=1)] = None,
+    limit: Annotated[int | None, typer.Option(help="Only the first N tasks.", min=1)] = None,
     config: ConfigOpt = None,
     set_: SetOpt = None,
     force: ForceOpt = False,
@@ -106,7 +117,7 @@ def export(
 
         sources = []
         for s in source:
-            convs, report = read_conversations(s)
+            convs, _report = read_conversations(s)
             root = s if s.is_dir() else s.parent
             sources.append((root, convs))
         info = export_llamafactory(sources, out, name=name)
@@ -125,7 +136,7 @@ def export(
 @command(app)
 def download(
     name: Annotated[str, typer.Argument(help="pyvision-image-sft | pyvision-image-rl | pyvision-video-rl | vstar | hrbench | mathverse | vsibench")],
-    out: Annotated[Optional[Path], typer.Option(help="Output folder [default: data/<name>].")] = None,
+    out: Annotated[Path | None, typer.Option(help="Output folder [default: data/<name>].")] = None,
     strict: Annotated[bool, typer.Option("--strict", help="Fail on the first bad row.")] = False,
     json_out: JsonOpt = False,
 ) -> None:
@@ -142,7 +153,7 @@ def download(
 def import_(
     name: Annotated[str, typer.Argument(help="Dataset name (see `pyvision data download --help`).")],
     from_dir: Annotated[Path, typer.Option("--from-dir", help="A copy made elsewhere, in the published layout.")],
-    out: Annotated[Optional[Path], typer.Option(help="Output folder [default: data/<name>].")] = None,
+    out: Annotated[Path | None, typer.Option(help="Output folder [default: data/<name>].")] = None,
     strict: Annotated[bool, typer.Option("--strict", help="Fail on the first bad row.")] = False,
     json_out: JsonOpt = False,
 ) -> None:

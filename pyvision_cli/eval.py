@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
-from pyvision_cli.common import (ConfigOpt, JsonOpt, PyVisionGroup, RunIdOpt, SetOpt,
-                                 StoreOpt, command, err, load_recipe, print_json)
+from pyvision_cli.common import (
+    ConfigOpt,
+    JsonOpt,
+    PyVisionGroup,
+    RunIdOpt,
+    SetOpt,
+    StoreOpt,
+    command,
+    err,
+    load_recipe,
+    print_json,
+)
 
 app = typer.Typer(help="Evaluate agentically on V*, HRBench, MathVerse, VSI-Bench and synthetic sets.",
                   cls=PyVisionGroup, add_completion=False, pretty_exceptions_enable=False,
@@ -19,16 +29,16 @@ app = typer.Typer(help="Evaluate agentically on V*, HRBench, MathVerse, VSI-Benc
 @app.callback(invoke_without_command=True)
 def evaluate(
     ctx: typer.Context,
-    model: Annotated[Optional[str], typer.Option(help="Local model folder or OpenAI-compatible server URL.")] = None,
-    benchmarks: Annotated[Optional[str], typer.Option(help="Comma-separated: vstar,hrbench4k,hrbench8k,mathverse,vsibench,synth-image,synth-video [default: eval.benchmarks].")] = None,
-    limit: Annotated[Optional[int], typer.Option(help="First N samples of each benchmark.", min=1)] = None,
-    engine: Annotated[Optional[str], typer.Option(help="hf | openai | vllm [default: eval.engine].")] = None,
-    max_turns: Annotated[Optional[int], typer.Option(help="Most assistant turns [default: agent.max_turns_eval].", min=1)] = None,
-    data_dir: Annotated[Optional[Path], typer.Option(help="Local copy of the benchmark in the published layout, or a folder holding one such copy per benchmark (vstar/, hrbench/, mathverse/, vsibench/ ...).")] = None,
-    served_model: Annotated[Optional[str], typer.Option(help="Model name sent to a server URL.")] = None,
-    model_tag: Annotated[Optional[str], typer.Option(help="Name of this model in the store and report [default: the model path].")] = None,
+    model: Annotated[str | None, typer.Option(help="Local model folder or OpenAI-compatible server URL.")] = None,
+    benchmarks: Annotated[str | None, typer.Option(help="Comma-separated: vstar,hrbench4k,hrbench8k,mathverse,vsibench,synth-image,synth-video [default: eval.benchmarks].")] = None,
+    limit: Annotated[int | None, typer.Option(help="First N samples of each benchmark.", min=1)] = None,
+    engine: Annotated[str | None, typer.Option(help="hf | openai | vllm [default: eval.engine].")] = None,
+    max_turns: Annotated[int | None, typer.Option(help="Most assistant turns [default: agent.max_turns_eval].", min=1)] = None,
+    data_dir: Annotated[Path | None, typer.Option(help="Local copy of the benchmark in the published layout, or a folder holding one such copy per benchmark (vstar/, hrbench/, mathverse/, vsibench/ ...).")] = None,
+    served_model: Annotated[str | None, typer.Option(help="Model name sent to a server URL.")] = None,
+    model_tag: Annotated[str | None, typer.Option(help="Name of this model in the store and report [default: the model path].")] = None,
     harness: Annotated[str, typer.Option(help="pyvision (our loop) | lmms-eval (run lmms-eval with our plugin).")] = "pyvision",
-    include_path: Annotated[Optional[Path], typer.Option(help="Folder of extra lmms-eval task YAMLs (--harness lmms-eval).")] = None,
+    include_path: Annotated[Path | None, typer.Option(help="Folder of extra lmms-eval task YAMLs (--harness lmms-eval).")] = None,
     config: ConfigOpt = None,
     set_: SetOpt = None,
     run_id: RunIdOpt = None,

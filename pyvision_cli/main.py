@@ -11,10 +11,11 @@ import importlib
 import os
 from typing import Any
 
+import typer
+
 # Typer 0.29 vendors its own click (typer._click); exceptions and commands must come from it to
 # be recognised by Typer's main loop.
 from typer import _click as click
-import typer
 from typer.core import TyperCommand
 
 from pyvision_cli.common import PyVisionGroup, make_app

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -18,9 +18,9 @@ def merge(
     out: Annotated[Path, typer.Option("--out", help="Folder for the merged model.")],
     engine: Annotated[str, typer.Option(help="`lora`: LoRA adapter via LLaMA-Factory; "
                                               "`verl`: verl FSDP checkpoint via verl.model_merger.")] = "lora",
-    lora: Annotated[Optional[Path], typer.Option(help="LoRA adapter folder (engine lora).")] = None,
-    base: Annotated[Optional[str], typer.Option(help="Base model path or hub id (engine lora).")] = None,
-    checkpoint: Annotated[Optional[Path], typer.Option(help="verl checkpoint: global_step_N/actor, "
+    lora: Annotated[Path | None, typer.Option(help="LoRA adapter folder (engine lora).")] = None,
+    base: Annotated[str | None, typer.Option(help="Base model path or hub id (engine lora).")] = None,
+    checkpoint: Annotated[Path | None, typer.Option(help="verl checkpoint: global_step_N/actor, "
                                                             "global_step_N, or their parent (engine verl).")] = None,
     python: Annotated[str, typer.Option(help="Interpreter that has llamafactory / verl.")] = "python",
     force: Annotated[bool, typer.Option("--force", help="Replace an existing --out folder.")] = False,

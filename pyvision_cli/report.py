@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -16,9 +16,9 @@ FORMATS = ("table", "markdown", "html", "json")
 
 @command(app)
 def report(
-    run: Annotated[Optional[list[str]], typer.Option("--run", help="Run id(s) to include (repeatable) [default: all].")] = None,
+    run: Annotated[list[str] | None, typer.Option("--run", help="Run id(s) to include (repeatable) [default: all].")] = None,
     fmt: Annotated[str, typer.Option("--format", help="table | markdown | html | json")] = "table",
-    out: Annotated[Optional[Path], typer.Option("--out", help="Folder for report files and plots [default: runs/report].")] = None,
+    out: Annotated[Path | None, typer.Option("--out", help="Folder for report files and plots [default: runs/report].")] = None,
     store: StoreOpt = None,
 ) -> None:
     """Runs by benchmarks (base vs SFT vs RL), training curves, visual tokens and stop reasons.

@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
-from pyvision_cli.common import (ConfigOpt, ForceOpt, JsonOpt, RunIdOpt, SetOpt, StoreOpt, command,
-                                 err, load_recipe, make_app, print_json)
+from pyvision_cli.common import (
+    ConfigOpt,
+    ForceOpt,
+    JsonOpt,
+    RunIdOpt,
+    SetOpt,
+    StoreOpt,
+    command,
+    err,
+    load_recipe,
+    make_app,
+    print_json,
+)
 
 app = make_app("RL with the PyVision rollout strategy (local engine or verl).", no_args_is_help=False)
 
@@ -19,10 +30,10 @@ def rl(
     run_id: RunIdOpt = None,
     store: StoreOpt = None,
     force: ForceOpt = False,
-    engine: Annotated[Optional[str], typer.Option(help="local | verl [default: rl.engine].")] = None,
+    engine: Annotated[str | None, typer.Option(help="local | verl [default: rl.engine].")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue from the last checkpoint.")] = False,
-    model: Annotated[Optional[str], typer.Option(help="Policy to start from [default: the SFT model].")] = None,
-    tasks: Annotated[Optional[list[str]], typer.Option(help="RL prompt folder(s) [default: the data stage's].")] = None,
+    model: Annotated[str | None, typer.Option(help="Policy to start from [default: the SFT model].")] = None,
+    tasks: Annotated[list[str] | None, typer.Option(help="RL prompt folder(s) [default: the data stage's].")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="verl: write the launch files and print the command, start nothing.")] = False,
     json_out: JsonOpt = False,
 ) -> None:

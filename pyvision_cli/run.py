@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
-from pyvision_cli.common import (ForceOpt, JsonOpt, RunIdOpt, SetOpt, StoreOpt, command, err,
-                                 load_recipe, make_app, print_json)
+from pyvision_cli.common import (
+    ForceOpt,
+    JsonOpt,
+    RunIdOpt,
+    SetOpt,
+    StoreOpt,
+    command,
+    err,
+    load_recipe,
+    make_app,
+    print_json,
+)
 
 app = make_app("Run a recipe end to end: data, sft, rl, merge, eval, report.")
 
@@ -19,8 +29,8 @@ def run(
     set_: SetOpt = None,
     run_id: RunIdOpt = None,
     store: StoreOpt = None,
-    from_stage: Annotated[Optional[str], typer.Option("--from", help="First stage to run.")] = None,
-    until_stage: Annotated[Optional[str], typer.Option("--until", help="Last stage to run.")] = None,
+    from_stage: Annotated[str | None, typer.Option("--from", help="First stage to run.")] = None,
+    until_stage: Annotated[str | None, typer.Option("--until", help="Last stage to run.")] = None,
     force: ForceOpt = False,
     json_out: JsonOpt = False,
 ) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -15,12 +15,12 @@ app = make_app("Run code in the sandbox the agent uses.", group=True)
 @command(app, "run")
 def run(
     code_file: Annotated[Path, typer.Argument(help="Python file to run.")],
-    image: Annotated[Optional[list[Path]], typer.Option(help="Image(s): image_clue_0, image_clue_1, ...")] = None,
-    video: Annotated[Optional[Path], typer.Option(help="Video: video_clue_0 (decord VideoReader).")] = None,
+    image: Annotated[list[Path] | None, typer.Option(help="Image(s): image_clue_0, image_clue_1, ...")] = None,
+    video: Annotated[Path | None, typer.Option(help="Video: video_clue_0 (decord VideoReader).")] = None,
     timeout: Annotated[float, typer.Option(help="Wall-clock limit in seconds.", min=0.1)] = 30.0,
     memory_mb: Annotated[int, typer.Option(help="Address-space limit in MiB.", min=64)] = 2048,
     isolation: Annotated[str, typer.Option(help="auto | bwrap | rlimit")] = "auto",
-    out_dir: Annotated[Optional[Path], typer.Option(help="Where displayed images are written [default: a new temp dir].")] = None,
+    out_dir: Annotated[Path | None, typer.Option(help="Where displayed images are written [default: a new temp dir].")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Exit code 0 whatever the code did (the status says); 2 for bad input."""

@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
-from pyvision_cli.common import (ConfigOpt, ForceOpt, JsonOpt, RunIdOpt, SetOpt, StoreOpt, command,
-                                 err, load_recipe, make_app, print_json)
+from pyvision_cli.common import (
+    ConfigOpt,
+    ForceOpt,
+    JsonOpt,
+    RunIdOpt,
+    SetOpt,
+    StoreOpt,
+    command,
+    err,
+    load_recipe,
+    make_app,
+    print_json,
+)
 
 app = make_app("Supervised fine-tuning on LLaMA-Factory.", no_args_is_help=False)
 
@@ -20,9 +31,9 @@ def sft(
     store: StoreOpt = None,
     force: ForceOpt = False,
     resume: Annotated[bool, typer.Option("--resume", help="Continue from the last checkpoint.")] = False,
-    model: Annotated[Optional[str], typer.Option(help="Base model path [default: from the data stage].")] = None,
-    dataset_dir: Annotated[Optional[str], typer.Option(help="LLaMA-Factory dataset folder (holds dataset_info.json).")] = None,
-    dataset: Annotated[Optional[str], typer.Option(help="Dataset name in dataset_info.json.")] = None,
+    model: Annotated[str | None, typer.Option(help="Base model path [default: from the data stage].")] = None,
+    dataset_dir: Annotated[str | None, typer.Option(help="LLaMA-Factory dataset folder (holds dataset_info.json).")] = None,
+    dataset: Annotated[str | None, typer.Option(help="Dataset name in dataset_info.json.")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Write the LLaMA-Factory YAML and stop.")] = False,
     json_out: JsonOpt = False,
 ) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Self
 
 
 def make_sharegpt(root: Path, n: int = 8) -> tuple[str, str]:
@@ -64,10 +65,10 @@ class FakeOpenAI:
                 self.end_headers()
                 self.wfile.write(data)
 
-            def do_GET(self):  # noqa: N802 - http.server's API
+            def do_GET(self):
                 self._send(200, {"object": "list", "data": [{"id": model}]})
 
-            def do_POST(self):  # noqa: N802 - http.server's API
+            def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
                 outer.requests.append(body)
                 self._send(*respond(body))
@@ -83,7 +84,7 @@ class FakeOpenAI:
         self.httpd.shutdown()
         self.httpd.server_close()
 
-    def __enter__(self) -> "FakeOpenAI":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:

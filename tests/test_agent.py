@@ -217,7 +217,7 @@ def test_openai_endpoint_down_is_a_clear_error(image_task):
 def test_agent_run_cli(tiny_model_dir, image_task, tmp_path):
     from pyvision_cli.agent import app
 
-    task, root = image_task
+    _task, root = image_task
     result = CliRunner().invoke(app, ["run", "--model", str(tiny_model_dir), "--image",
                                       str(root / "a.png"), "--question", "How wide?",
                                       "--set", "agent.max_new_tokens_per_turn=8",

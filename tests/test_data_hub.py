@@ -11,7 +11,7 @@ from PIL import Image
 
 from pipelines.data import hub
 from pipelines.data.export_llamafactory import export_llamafactory
-from pipelines.data.records import (Conversation, Message, read_conversations, read_tasks)
+from pipelines.data.records import Conversation, Message, read_conversations, read_tasks
 from pipelines.errors import DataError, UserError
 
 
@@ -69,7 +69,7 @@ def test_import_sft_published_layout(tmp_path):
     assert manifest["kept"] == 1 and manifest["read"] == 3
     assert manifest["skipped"] == {"missing_media": 1, "placeholder_mismatch": 1}
     assert any("pyvision_image_sft_data.json:2" in p for p in manifest["problems"])
-    convs, report = read_conversations(out)
+    convs, _report = read_conversations(out)
     assert len(convs) == 1 and convs[0].data_source == "mmpr"
     assert (out / convs[0].images[0]).is_file()
     with pytest.raises(DataError, match=r"pyvision_image_sft_data.json:2: missing media"):

@@ -40,7 +40,7 @@ def test_verify_rejects_incomplete_model(tiny_model_dir, tmp_path):
     from safetensors.torch import load_file, save_file
 
     weights = load_file(broken / "model.safetensors")
-    weights.pop(sorted(weights)[0])
+    weights.pop(min(weights))
     save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(UserError, match="weights do not match the model config"):
         verify_model_dir(broken)

@@ -28,7 +28,7 @@ REDUCED = [
 def test_embedded_recipe_end_to_end_reduced(tmp_path):
     runner = CliRunner()
     args = ["run", str(DEFAULT_RECIPE), "--run-id", "ci", "--json",
-            "--set", f"runs_dir={tmp_path / 'runs'}", *sum((["--set", s] for s in REDUCED), [])]
+            "--set", f"runs_dir={tmp_path / 'runs'}", *[arg for s in REDUCED for arg in ("--set", s)]]
     from pyvision_cli.main import app
 
     result = runner.invoke(app, args)

@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from pipelines.agent.protocol import (extract_answer, extract_code, format_observation, last_boxed,
-                                      parse_turn, parts_to_text, truncate_at_code_stop)
+from pipelines.agent.protocol import (
+    extract_answer,
+    extract_code,
+    format_observation,
+    last_boxed,
+    parse_turn,
+    parts_to_text,
+    truncate_at_code_stop,
+)
 
 
 @pytest.mark.parametrize("text,answer", [

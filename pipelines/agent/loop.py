@@ -20,10 +20,11 @@ from __future__ import annotations
 import io
 import time
 from collections import deque
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Literal
+from typing import Any, Literal
 
 from pipelines.agent.policies.base import Policy, Sampling
 from pipelines.agent.prompts import build_initial_messages, resize_for_context, variant_for

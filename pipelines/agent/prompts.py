@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,7 @@ class PromptInfo:
     sha256: str
 
 
-@lru_cache(maxsize=None)
+@cache
 def load_template(variant: str, version: int | None = None) -> tuple[str, PromptInfo]:
     v = version or CURRENT[variant]
     path = PROMPTS_DIR / f"{variant}.v{v}.txt"

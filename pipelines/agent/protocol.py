@@ -31,9 +31,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 CODE_STOP = "</code>"
-_CODE_BLOCK_RE = re.compile(r"<code>\s*```(?:python|py)?[ \t]*\n?(.*?)```\s*</code>", re.S)
-_FENCED_RE = re.compile(r"```(?:python|py)[ \t]*\n(.*?)```", re.S)
-_ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.S)
+_CODE_BLOCK_RE = re.compile(r"<code>\s*```(?:python|py)?[ \t]*\n?(.*?)```\s*</code>", re.DOTALL)
+_FENCED_RE = re.compile(r"```(?:python|py)[ \t]*\n(.*?)```", re.DOTALL)
+_ANSWER_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _BOXED_RE = re.compile(r"\\boxed\s*\{")
 
 

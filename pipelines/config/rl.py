@@ -158,7 +158,7 @@ class RLConfig(Section):
     """Settings of the verl engine."""
 
     @model_validator(mode="after")
-    def _mini_batch_fits(self) -> "RLConfig":
+    def _mini_batch_fits(self) -> RLConfig:
         if self.mini_batch_prompts > self.prompts_per_step:
             raise ValueError(
                 f"mini_batch_prompts ({self.mini_batch_prompts}) must be <= prompts_per_step "

@@ -19,12 +19,19 @@ import os
 import re
 import tarfile
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Literal
+from typing import Any, Literal
 
-from pipelines.data.records import (Conversation, Message, ReadReport, Task, write_conversations,
-                                    write_tasks)
+from pipelines.data.records import (
+    Conversation,
+    Message,
+    ReadReport,
+    Task,
+    write_conversations,
+    write_tasks,
+)
 from pipelines.errors import DataError, UserError
 from pipelines.fsutil import atomic_write_json
 
@@ -250,7 +257,7 @@ def _convert_sft(rows, media: _MediaIndex, out: Path, report: ReadReport,
     return convs
 
 
-_OPTION_RE = re.compile(r"^\s*\(?([A-Z])[\).:]\s*(.+?)\s*$", re.M)
+_OPTION_RE = re.compile(r"^\s*\(?([A-Z])[\).:]\s*(.+?)\s*$", re.MULTILINE)
 
 
 def infer_answer_type(question: str, answer: str) -> tuple[str, list[str]]:

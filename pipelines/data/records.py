@@ -31,9 +31,10 @@ placeholder in the text, in the order of ``images``.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -256,10 +257,10 @@ def read_conversations(path: str | Path, *, strict: bool = False,
         where = f"{p}:{number}"
 
         def bad(reason: str, detail: str) -> None:
-            if strict:
-                raise DataError(f"{where}: {detail}",
+            if strict:  # `where` is this row's: bad() is called within the iteration
+                raise DataError(f"{where}: {detail}",  # noqa: B023
                                 hint="fix or remove the row, or run without --strict to skip it")
-            report.skip(reason, where, detail)
+            report.skip(reason, where, detail)  # noqa: B023
 
         if isinstance(obj, Exception):
             bad("malformed_json", f"malformed JSON ({obj.msg} at column {obj.colno})")

@@ -98,8 +98,8 @@ def _image_steps(task: Task, rng: random.Random) -> list[Step]:
         code = (load + f"{m} = ({a}.max(-1) - {a}.min(-1)) > 80\nrgb = {a}[{m}].mean(0)\n"
                 f"{consts}options = {{{table}}}\n"
                 "print(min(options, key=lambda k: np.abs(rgb - options[k]).sum()))")
-        thought = rng.choice(["Everything but the target is grey, so I take the mean colour of the "
-                              "saturated pixels and compare it with the options.",
+        thought = rng.choice([("Everything but the target is grey, so I take the mean colour of the "
+                               "saturated pixels and compare it with the options."),
                               "I find the coloured pixels and match their mean colour."])
         return [Step(thought, code)]
     if fam == "count":
@@ -118,8 +118,9 @@ def _image_steps(task: Task, rng: random.Random) -> list[Step]:
                 f"q = np.nonzero(np.abs({a} - {c2}).sum(-1) < 60)[{axis}].mean()\n"
                 f"print(p, q)\noptions = {{{table}}}\n"
                 f"print([k for k in options if options[k] == (\"{lo}\" if p < q else \"{hi}\")][0])")
-        thought = rng.choice([f"I locate the {c1} and the {c2} objects by colour and compare their "
-                              "positions.", "I find both objects by colour and compare their centres."])
+        thought = rng.choice([(f"I locate the {c1} and the {c2} objects by colour and compare "
+                               "their positions."),
+                              "I find both objects by colour and compare their centres."])
         return [Step(thought, code)]
     if fam == "measure":
         colour = _colour_in(q)
@@ -154,9 +155,10 @@ def _video_steps(task: Task, rng: random.Random) -> list[Step]:
         code = (f"{_consts(colour)}def x(i):\n    {f} = video_clue_0[i].asnumpy().astype(int)\n"
                 f"    return np.nonzero(np.abs({f} - {colour}).sum(-1) < 90)[1].mean()\n"
                 "print(round(abs(x(len(video_clue_0) - 1) - x(0))))")
-        thought = rng.choice([f"I locate the {colour} object in the first and the last frame and "
-                              "measure how far it moved.", "The distance is between the object's "
-                              "positions in the first and last frames."])
+        thought = rng.choice([(f"I locate the {colour} object in the first and the last frame and "
+                               "measure how far it moved."),
+                              ("The distance is between the object's positions in the first and "
+                               "last frames.")])
         return [Step(thought, code)]
     if fam == "order":
         table = ", ".join(f'"{k}": {c}' for k, c in _options(task).items())
@@ -173,7 +175,7 @@ def _video_steps(task: Task, rng: random.Random) -> list[Step]:
 def plan(task: Task, rng: random.Random) -> SolverPlan:
     """How a good agent solves ``task`` (one or two looks, then a measurement)."""
     steps = _video_steps(task, rng) if task.video else _image_steps(task, rng)
-    if rng.random() < 0.5 and not (task.metadata.get("family") == "text"):
+    if rng.random() < 0.5 and task.metadata.get("family") != "text":
         steps = [rng.choice(LOOK_VIDEO if task.video else LOOK_IMAGE)] + steps
     # The agent first restates what it is asked, as careful agents do; the words it then needs
     # (a colour, the kind of question) are copied from its own recent text.

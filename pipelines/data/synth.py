@@ -18,8 +18,9 @@ from __future__ import annotations
 import hashlib
 import random
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from pipelines.data.records import Task, write_tasks
 from pipelines.errors import UserError

@@ -28,7 +28,7 @@ LANE_H = 24  # 6 lanes
 
 def _draw(frame: Any, obj: dict[str, Any], x: float) -> None:
     y0 = obj["lane"] * LANE_H + (LANE_H - obj["size"]) // 2
-    xi = int(round(x))
+    xi = int(round(x))  # noqa: RUF046 - x may be a numpy float
     s = obj["size"]
     frame[y0: y0 + s, xi: xi + s] = PALETTE[obj["colour"]]
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 import random
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from pipelines.agent.policies.base import Generation, Sampling
 from pipelines.agent.protocol import CODE_STOP

@@ -10,8 +10,8 @@ Generation is deterministic for a given seed.
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 COLOURS = ["red", "green", "blue", "yellow", "purple", "orange", "cyan", "magenta", "white",
            "black", "gray", "pink", "brown"]
@@ -19,11 +19,11 @@ SHAPES = ["square", "circle", "triangle", "bar", "box", "object", "ball", "star"
 WORDS = ["cat", "tree", "car", "sign", "cup", "door", "bird", "lamp", "boat", "book"]
 
 PROMPT_LINES = [
-    "You are an agent - please keep going until the user's query is completely resolved, before "
-    "ending your turn and yielding back to the user.",
+    ("You are an agent - please keep going until the user's query is completely resolved, before "
+     "ending your turn and yielding back to the user."),
     "Only terminate your turn when you are sure that the problem is solved.",
-    "You MUST plan extensively before each function call, and reflect extensively on the "
-    "outcomes of the previous function calls.",
+    ("You MUST plan extensively before each function call, and reflect extensively on the "
+     "outcomes of the previous function calls."),
     "The image is preloaded in the Python runtime as the PIL image `image_clue_0`.",
     "The video is preloaded in the Python runtime as `video_clue_0`, a decord VideoReader.",
     "You cannot see the video: sample frames with code and show them with plt.show().",
@@ -82,7 +82,7 @@ THOUGHTS = [
 
 def _fill(template: str, rng: random.Random) -> str:
     c1, c2 = rng.sample(COLOURS, 2)
-    values = dict(shape=rng.choice(SHAPES), colour=c1, colour2=c2, word=rng.choice(WORDS),
+    values = dict(shape=rng.choice(SHAPES), colour=c1, colour2=c2, word=rng.choice(WORDS),  # noqa: C408
                   w=rng.randint(64, 4096), h=rng.randint(64, 4096), n=rng.randint(8, 3000),
                   fps=f"{rng.uniform(1, 60):.2f}", x0=rng.randint(0, 900), y0=rng.randint(0, 700),
                   x1=rng.randint(100, 1000), y1=rng.randint(100, 800), r=rng.randint(0, 255),
@@ -108,8 +108,7 @@ def _interpreter(rng: random.Random) -> str:
 def builtin_corpus(seed: int = 0, n_docs: int = 3000) -> Iterator[str]:
     """Deterministic documents that look like the project's prompts, code and outputs."""
     rng = random.Random(seed)
-    for line in PROMPT_LINES + QUESTIONS + THOUGHTS:
-        yield line
+    yield from PROMPT_LINES + QUESTIONS + THOUGHTS
     for _ in range(n_docs):
         parts = [_fill(rng.choice(PROMPT_LINES), rng), _fill(rng.choice(QUESTIONS), rng)]
         for _ in range(rng.randint(1, 3)):
@@ -121,8 +120,8 @@ def builtin_corpus(seed: int = 0, n_docs: int = 3000) -> Iterator[str]:
         parts.append(f"{rng.choice(THOUGHTS)} {answer}.\n<answer>\n\\boxed{{{answer}}}\n</answer>")
         yield "\n".join(parts)
     # Digits and short numbers appear everywhere in outputs; give them their own documents.
-    yield " ".join(str(i) for i in range(0, 1025))
-    yield " ".join(f"{i / 10:.1f}" for i in range(0, 200))
+    yield " ".join(str(i) for i in range(1025))
+    yield " ".join(f"{i / 10:.1f}" for i in range(200))
 
 
 def prompt_template_texts() -> list[str]:

@@ -19,9 +19,10 @@ at most ``max_pixels`` = 50176 (64 tokens) per image unless a recipe asks for mo
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Literal
+from typing import Any, Literal
 
 from pipelines.errors import UserError
 from pipelines.fsutil import atomic_dir

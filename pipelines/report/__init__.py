@@ -18,9 +18,10 @@ import base64
 import html
 import json
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from pipelines.errors import UserError
 from pipelines.fsutil import atomic_write_text
@@ -59,7 +60,7 @@ def primary_metric(metrics: Iterable[str]) -> str:
     for m in PRIMARY_METRICS:
         if m in names:
             return m
-    return sorted(names)[0]
+    return min(names)
 
 
 def paired_bootstrap(deltas: list[float], *, resamples: int = 2000, level: float = LEVEL,

@@ -76,7 +76,13 @@ def run_sft(recipe: Recipe, sd: StageDir, *, model: str, dataset_dir: str, datas
     losses: list[float] = []
     state = {"step": 0, "total": 0}
 
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     progress = Progress(TextColumn("[bold]SFT[/]"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
                         TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn(),

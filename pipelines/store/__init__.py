@@ -19,13 +19,15 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import random
 import threading
 import time
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any
 
 import duckdb
 
@@ -242,7 +244,7 @@ class Store:
         rows = []
         for name, value in metrics.items():
             v = None if value is None else float(value)
-            if v is not None and (v != v or v in (float("inf"), float("-inf"))):
+            if v is not None and not math.isfinite(v):
                 v = None
             rows.append([run_id, stage, int(step), str(name), v])
         if not rows:

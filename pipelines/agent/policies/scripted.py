@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from pipelines.agent.policies.base import Generation, Sampling
 from pipelines.agent.protocol import CODE_STOP, truncate_at_code_stop
