@@ -79,13 +79,14 @@ def weights_fingerprint(model: str | Path) -> str | None:
     root = Path(model)
     if not root.is_dir():
         return None
-    files = sorted(p for p in root.rglob("*") if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))
+    # Top level only, as from_pretrained reads it: checkpoint-N/ folders inside do not count.
+    files = sorted(p for p in root.iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))
     if not files:
         return None
     digest = hashlib.sha256()
     for path in files:
         size = path.stat().st_size
-        digest.update(f"{path.relative_to(root)}\0{size}\0".encode())
+        digest.update(f"{path.name}\0{size}\0".encode())
         with path.open("rb") as fh:
             if size <= 64 * _CHUNK:
                 for block in iter(lambda: fh.read(8 * _CHUNK), b""):

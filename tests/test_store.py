@@ -197,3 +197,25 @@ def test_concurrent_reader_never_sees_half_a_write(tmp_path):
     assert seen[-1] == 40 * BATCH
     assert all(n % BATCH == 0 for n in seen), "a reader saw part of a transaction"
     assert len(set(seen)) > 1, "reader and writer should have interleaved"
+
+
+def test_weights_fingerprint_follows_the_weights_only(tmp_path):
+    from pipelines.fsutil import weights_fingerprint
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    assert weights_fingerprint(model) is None  # no weights: identity unknown
+    assert weights_fingerprint("Qwen/Qwen2.5-VL-7B-Instruct") is None
+    big = model / "model-00001-of-00001.safetensors"
+    with big.open("wb") as fh:  # over 64 MiB: sampled, not read whole
+        fh.truncate(80 << 20)
+    first = weights_fingerprint(model)
+    (model / "config.json").write_text('{"use_cache": true}')
+    (model / "checkpoint-10").mkdir()
+    (model / "checkpoint-10" / "model.safetensors").write_bytes(b"x")
+    assert weights_fingerprint(model) == first  # config and checkpoint folders do not count
+    with big.open("r+b") as fh:  # retraining rewrites the tensors: the middle changes
+        fh.seek(40 << 20)
+        fh.write(b"\1")
+    assert weights_fingerprint(model) != first
