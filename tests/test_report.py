@@ -10,7 +10,14 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from pipelines.report import collect, results_table, write_report
+from pipelines.report import (
+    collect,
+    paired_bootstrap,
+    results_table,
+    stratified_bootstrap,
+    to_markdown,
+    write_report,
+)
 from pipelines.store import EvalRecord, Store
 from pyvision_cli.report import app
 
@@ -119,7 +126,7 @@ def test_html_renders_in_headless_chromium(tmp_path):
 
 
 def test_paired_bootstrap_is_deterministic_and_brackets_the_mean():
-    from pipelines.report import paired_bootstrap, verdict
+    from pipelines.report import verdict
 
     assert paired_bootstrap([1.0] * 10) == (1.0, 1.0, 1.0)
     deltas = [1.0, 0.0, -1.0, 0.0, 1.0, 1.0, 0.0, 0.0]
@@ -132,17 +139,18 @@ def test_paired_bootstrap_is_deterministic_and_brackets_the_mean():
         paired_bootstrap([])
 
 
-def _fill_per_sample(store: Store, correct: dict[str, set[int]], n: int = 40) -> None:
-    store.upsert_run("r", "tiny-cpu", config={})
+def _fill_per_sample(store: Store, correct: dict[str, set[int]], n: int = 40, run: str = "r",
+                     recipe: str = "tiny-cpu") -> None:
+    store.upsert_run(run, recipe, config={})
     for model, right in correct.items():
         for i in range(n):
             store.add_eval_record(EvalRecord(
-                run_id="r", model=model, benchmark="synth-image", sample_id=f"s{i}",
+                run_id=run, model=model, benchmark="synth-image", sample_id=f"s{i}",
                 benchmark_version="1", prompt_version="image@v1", prompt_hash="h",
                 scorer="verify@1", prediction="x", stop_reason="answered", turns=2, tool_calls=1,
                 failed_calls=0, visual_tokens=16, total_tokens=100, duration_s=0.1,
                 trajectory=None, scores={"accuracy": float(i in right)}))
-        store.set_eval_aggregate("r", model, "synth-image", {"accuracy": len(right) / n}, n=n,
+        store.set_eval_aggregate(run, model, "synth-image", {"accuracy": len(right) / n}, n=n,
                                  benchmark_version="1", prompt_version="image@v1",
                                  scorer="verify@1")
 
@@ -178,3 +186,32 @@ def test_comparison_uses_only_samples_both_models_answered():
         scores={"accuracy": 1.0}))
     (cmp,) = collect(store).comparisons
     assert cmp["n"] == 10 and cmp["value"] == pytest.approx(0.3)
+
+
+def test_runs_of_one_recipe_are_also_compared_pooled(tmp_path):
+    # Three seeds, each with SFT 2 of 10 samples ahead of base: too few to call in any one run,
+    # clear pooled. A run of another recipe is never pooled with them.
+    store = Store()
+    for seed in range(3):
+        _fill_per_sample(store, {"base": {0}, "sft": {0, 1 + seed, 4 + seed}}, n=10,
+                         run=f"seed{seed}")
+    _fill_per_sample(store, {"base": set(), "sft": set(range(10))}, n=10, run="x", recipe="other")
+    data = collect(store)
+    per_run = [c for c in data.comparisons if "runs" not in c]
+    assert {c["run"] for c in per_run} == {"seed0", "seed1", "seed2", "x"}
+    assert all(c["verdict"] == "not separable" for c in per_run if c["run"] != "x")
+    (pooled,) = [c for c in data.comparisons if "runs" in c]
+    assert pooled["run"] == "tiny-cpu: 3 runs pooled"
+    assert pooled["runs"] == ["seed0", "seed1", "seed2"]
+    assert pooled["n"] == 30 and pooled["delta"] == pytest.approx(0.2)
+    assert pooled["ci_low"] > 0 and pooled["verdict"] == "ahead"
+    assert collect(store).comparisons == data.comparisons  # deterministic
+    md = to_markdown(data)
+    assert "| tiny-cpu: 3 runs pooled | synth-image | sft vs base | accuracy | 30 |" in md
+
+
+def test_stratified_bootstrap_of_one_run_is_the_paired_bootstrap():
+    deltas = [1.0, 0.0, 0.0, -1.0, 1.0, 1.0, 0.0]
+    assert stratified_bootstrap([deltas]) == paired_bootstrap(deltas)
+    mean, low, high = stratified_bootstrap([[1.0] * 5, [0.0] * 15])
+    assert mean == pytest.approx(0.25) and low == high == pytest.approx(0.25)  # no within-run spread

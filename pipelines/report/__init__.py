@@ -36,7 +36,8 @@ CURVE_ORDER = ("reward/mean", "reward/accuracy", "reward/tool", "accuracy", "too
 COMPARISONS = (("sft", "base"), ("rl", "sft"))
 LEVEL = 0.95  # of the bootstrap interval around a paired difference
 COMPARISON_NOTE = ("A verdict says ahead or behind only when the 95% bootstrap interval of the "
-                   "paired difference excludes zero.")
+                   "paired difference excludes zero. Rows marked 'runs pooled' combine the runs "
+                   "of one recipe (seeds, say), resampling within each run.")
 
 
 @dataclass
@@ -68,15 +69,28 @@ def paired_bootstrap(deltas: list[float], *, resamples: int = 2000, level: float
     """Mean of paired per-sample differences and its percentile bootstrap interval.
 
     Deterministic for a given ``seed``, so a report rendered twice says the same thing."""
+    return stratified_bootstrap([deltas], resamples=resamples, level=level, seed=seed)
+
+
+def stratified_bootstrap(groups: list[list[float]], *, resamples: int = 2000,
+                         level: float = LEVEL, seed: int = 0) -> tuple[float, float, float]:
+    """``paired_bootstrap`` over the differences of several runs, pooled: each resample draws
+    within every run, so each run keeps its size and seed-to-seed spread stays in the interval's
+    width only as sampling noise (the runs are strata, not samples)."""
     import numpy as np
 
-    d = np.asarray(deltas, dtype=float)
-    if d.size == 0:
+    arrays = [np.asarray(g, dtype=float) for g in groups if len(g)]
+    total = sum(a.size for a in arrays)
+    if total == 0:
         raise ValueError("no paired samples to compare")
-    idx = np.random.default_rng(seed).integers(0, d.size, size=(resamples, d.size))
-    means = d[idx].mean(axis=1)
+    rng = np.random.default_rng(seed)
+    sums = np.zeros(resamples)
+    for a in arrays:
+        sums += a[rng.integers(0, a.size, size=(resamples, a.size))].sum(axis=1)
+    means = sums / total
     tail = (1.0 - level) / 2.0
-    return float(d.mean()), float(np.quantile(means, tail)), float(np.quantile(means, 1.0 - tail))
+    mean = sum(float(a.sum()) for a in arrays) / total
+    return mean, float(np.quantile(means, tail)), float(np.quantile(means, 1.0 - tail))
 
 
 def verdict(low: float, high: float) -> str:
@@ -87,9 +101,10 @@ def verdict(low: float, high: float) -> str:
     return "not separable"
 
 
-def compare_models(store: Any, run_id: str, models: set[str], benchmark: str
-                   ) -> list[dict[str, Any]]:
-    """Paired comparisons (see ``COMPARISONS``) of one run's models on one benchmark."""
+def paired_scores(store: Any, run_id: str, models: set[str], benchmark: str
+                  ) -> list[tuple[str, str, str, list[tuple[float, float]]]]:
+    """(challenger, baseline, metric, [(challenger score, baseline score)]) for each pair of
+    ``COMPARISONS`` that one run evaluated on the same samples of ``benchmark``."""
     out = []
     compared = {m for pair in COMPARISONS for m in pair}
     scores = {m: store.eval_scores(run_id, m, benchmark) for m in models & compared}
@@ -104,15 +119,53 @@ def compare_models(store: Any, run_id: str, models: set[str], benchmark: str
         metric = primary_metric(names)
         pairs = [(a[s][metric], b[s][metric]) for s in common
                  if a[s].get(metric) is not None and b[s].get(metric) is not None]
-        if not pairs:
+        if pairs:
+            out.append((challenger, baseline, metric, pairs))
+    return out
+
+
+def _comparison(run: str, benchmark: str, challenger: str, baseline: str, metric: str,
+                groups: list[list[tuple[float, float]]]) -> dict[str, Any]:
+    pairs = [p for g in groups for p in g]
+    delta, low, high = stratified_bootstrap([[x - y for x, y in g] for g in groups])
+    return {"run": run, "benchmark": benchmark, "model": challenger, "baseline": baseline,
+            "metric": metric, "n": len(pairs), "value": sum(x for x, _ in pairs) / len(pairs),
+            "baseline_value": sum(y for _, y in pairs) / len(pairs),
+            "delta": delta, "ci_low": low, "ci_high": high, "level": LEVEL,
+            "verdict": verdict(low, high)}
+
+
+def compare_models(store: Any, run_id: str, models: set[str], benchmark: str
+                   ) -> list[dict[str, Any]]:
+    """Paired comparisons (see ``COMPARISONS``) of one run's models on one benchmark."""
+    return [_comparison(run_id, benchmark, challenger, baseline, metric, [pairs])
+            for challenger, baseline, metric, pairs in paired_scores(store, run_id, models,
+                                                                     benchmark)]
+
+
+def pooled_comparisons(store: Any, runs: list[dict[str, Any]],
+                       models_by_run: dict[str, dict[str, set[str]]]) -> list[dict[str, Any]]:
+    """The same comparisons pooled over the runs of one recipe (seeds of one setting, say):
+    per-run differences resampled within each run. Runs of different recipes never mix."""
+    by_recipe: dict[str, list[str]] = defaultdict(list)
+    for r in runs:
+        by_recipe[r["name"]].append(r["run_id"])
+    out = []
+    for name, ids in sorted(by_recipe.items()):
+        if len(ids) < 2:
             continue
-        delta, low, high = paired_bootstrap([x - y for x, y in pairs])
-        out.append({"run": run_id, "benchmark": benchmark, "model": challenger,
-                    "baseline": baseline, "metric": metric, "n": len(pairs),
-                    "value": sum(x for x, _ in pairs) / len(pairs),
-                    "baseline_value": sum(y for _, y in pairs) / len(pairs),
-                    "delta": delta, "ci_low": low, "ci_high": high, "level": LEVEL,
-                    "verdict": verdict(low, high)})
+        groups: dict[tuple[str, str, str, str], dict[str, list]] = defaultdict(dict)
+        for rid in ids:
+            for bench, models in models_by_run.get(rid, {}).items():
+                for challenger, baseline, metric, pairs in paired_scores(store, rid, models,
+                                                                         bench):
+                    groups[(bench, challenger, baseline, metric)][rid] = pairs
+        for (bench, challenger, baseline, metric), per_run in sorted(groups.items()):
+            if len(per_run) < 2:
+                continue
+            row = _comparison(f"{name}: {len(per_run)} runs pooled", bench, challenger,
+                              baseline, metric, list(per_run.values()))
+            out.append({**row, "runs": sorted(per_run)})
     return out
 
 
@@ -147,6 +200,7 @@ def collect(store: Any, run_ids: list[str] | None = None) -> ReportData:
     curves: dict[str, dict[str, list[tuple[int, float]]]] = {}
     stats = []
     comparisons: list[dict[str, Any]] = []
+    models_by_run: dict[str, dict[str, set[str]]] = {}
     for rid in ids:
         per: dict[str, list[tuple[int, float]]] = defaultdict(list)
         for m in store.metrics(rid):
@@ -158,6 +212,7 @@ def collect(store: Any, run_ids: list[str] | None = None) -> ReportData:
         for r in results:
             if r["run"] == rid:
                 by_bench[r["benchmark"]].add(r["model"])
+        models_by_run[rid] = dict(by_bench)
         for bench in sorted(by_bench):
             comparisons += compare_models(store, rid, by_bench[bench], bench)
         groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
@@ -176,6 +231,7 @@ def collect(store: Any, run_ids: list[str] | None = None) -> ReportData:
                 "tool_calls_mean": sum(r["tool_calls"] or 0 for r in recs) / n,
                 "stop_reasons": dict(sorted(reasons.items())),
             })
+    comparisons += pooled_comparisons(store, runs, models_by_run)
     return ReportData(runs=[{k: (str(v) if k == "created_at" else v) for k, v in r.items()}
                             for r in runs], results=results, curves=curves, eval_stats=stats,
                       comparisons=comparisons)
