@@ -160,7 +160,9 @@ def pooled_comparisons(store: Any, runs: list[dict[str, Any]],
                 for challenger, baseline, metric, pairs in paired_scores(store, rid, models,
                                                                          bench):
                     groups[(bench, challenger, baseline, metric)][rid] = pairs
-        for (bench, challenger, baseline, metric), per_run in sorted(groups.items()):
+        order = {pair: i for i, pair in enumerate(COMPARISONS)}
+        for (bench, challenger, baseline, metric), per_run in sorted(
+                groups.items(), key=lambda kv: (kv[0][0], order[kv[0][1:3]], kv[0][3])):
             if len(per_run) < 2:
                 continue
             row = _comparison(f"{name}: {len(per_run)} runs pooled", bench, challenger,
