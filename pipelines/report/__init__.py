@@ -135,16 +135,19 @@ def _comparison(run: str, benchmark: str, challenger: str, baseline: str, metric
             "verdict": verdict(low, high)}
 
 
-def compare_models(store: Any, run_id: str, models: set[str], benchmark: str
-                   ) -> list[dict[str, Any]]:
-    """Paired comparisons (see ``COMPARISONS``) of one run's models on one benchmark."""
-    return [_comparison(run_id, benchmark, challenger, baseline, metric, [pairs])
-            for challenger, baseline, metric, pairs in paired_scores(store, run_id, models,
-                                                                     benchmark)]
+Paired = dict[str, list[tuple[str, str, str, list[tuple[float, float]]]]]
+"""Benchmark -> ``paired_scores`` of one run."""
 
 
-def pooled_comparisons(store: Any, runs: list[dict[str, Any]],
-                       models_by_run: dict[str, dict[str, set[str]]]) -> list[dict[str, Any]]:
+def compare_models(run_id: str, paired: Paired) -> list[dict[str, Any]]:
+    """Paired comparisons (see ``COMPARISONS``) of one run's models, benchmark by benchmark."""
+    return [_comparison(run_id, bench, challenger, baseline, metric, [pairs])
+            for bench in sorted(paired)
+            for challenger, baseline, metric, pairs in paired[bench]]
+
+
+def pooled_comparisons(runs: list[dict[str, Any]],
+                       paired_by_run: dict[str, Paired]) -> list[dict[str, Any]]:
     """The same comparisons pooled over the runs of one recipe (seeds of one setting, say):
     per-run differences resampled within each run. Runs of different recipes never mix."""
     by_recipe: dict[str, list[str]] = defaultdict(list)
@@ -156,9 +159,8 @@ def pooled_comparisons(store: Any, runs: list[dict[str, Any]],
             continue
         groups: dict[tuple[str, str, str, str], dict[str, list]] = defaultdict(dict)
         for rid in ids:
-            for bench, models in models_by_run.get(rid, {}).items():
-                for challenger, baseline, metric, pairs in paired_scores(store, rid, models,
-                                                                         bench):
+            for bench, rows in paired_by_run.get(rid, {}).items():
+                for challenger, baseline, metric, pairs in rows:
                     groups[(bench, challenger, baseline, metric)][rid] = pairs
         order = {pair: i for i, pair in enumerate(COMPARISONS)}
         for (bench, challenger, baseline, metric), per_run in sorted(
@@ -202,7 +204,7 @@ def collect(store: Any, run_ids: list[str] | None = None) -> ReportData:
     curves: dict[str, dict[str, list[tuple[int, float]]]] = {}
     stats = []
     comparisons: list[dict[str, Any]] = []
-    models_by_run: dict[str, dict[str, set[str]]] = {}
+    paired_by_run: dict[str, Paired] = {}
     for rid in ids:
         per: dict[str, list[tuple[int, float]]] = defaultdict(list)
         for m in store.metrics(rid):
@@ -214,9 +216,9 @@ def collect(store: Any, run_ids: list[str] | None = None) -> ReportData:
         for r in results:
             if r["run"] == rid:
                 by_bench[r["benchmark"]].add(r["model"])
-        models_by_run[rid] = dict(by_bench)
-        for bench in sorted(by_bench):
-            comparisons += compare_models(store, rid, by_bench[bench], bench)
+        paired_by_run[rid] = {bench: paired_scores(store, rid, models, bench)
+                              for bench, models in by_bench.items()}
+        comparisons += compare_models(rid, paired_by_run[rid])
         groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
         for rec in store.eval_records(rid):
             groups[(rec["model"], rec["benchmark"])].append(rec)
@@ -233,7 +235,7 @@ def collect(store: Any, run_ids: list[str] | None = None) -> ReportData:
                 "tool_calls_mean": sum(r["tool_calls"] or 0 for r in recs) / n,
                 "stop_reasons": dict(sorted(reasons.items())),
             })
-    comparisons += pooled_comparisons(store, runs, models_by_run)
+    comparisons += pooled_comparisons(runs, paired_by_run)
     return ReportData(runs=[{k: (str(v) if k == "created_at" else v) for k, v in r.items()}
                             for r in runs], results=results, curves=curves, eval_stats=stats,
                       comparisons=comparisons)
