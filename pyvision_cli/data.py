@@ -104,6 +104,8 @@ def export(
     source: Annotated[list[Path], typer.Option(help="Conversations folder(s) (llamafactory) or tasks folder(s) (verl).")],
     out: Annotated[Path, typer.Option(help="Output folder.")],
     name: Annotated[str, typer.Option(help="Dataset name (llamafactory) / file stem (verl).")] = "pyvision_sft",
+    copy_drills: Annotated[int, typer.Option(min=0, max=16, help="llamafactory: copy drills per conversation (see data.copy_drills).")] = 0,
+    seed: Annotated[int, typer.Option(help="Seed of the copy drills' random values.")] = 0,
     config: ConfigOpt = None,
     set_: SetOpt = None,
     json_out: JsonOpt = False,
@@ -120,6 +122,10 @@ def export(
             convs, _report = read_conversations(s)
             root = s if s.is_dir() else s.parent
             sources.append((root, convs))
+        if copy_drills:
+            from pipelines.data.drills import copy_drills as make_drills
+
+            sources += [(root, make_drills(convs, copy_drills, seed)) for root, convs in sources]
         info = export_llamafactory(sources, out, name=name)
     elif fmt == "verl":
         from pipelines.data.export_verl import export_verl

@@ -21,6 +21,7 @@ REDUCED = [
     "rl.local.steps=1", "rl.prompts_per_step=2", "rl.mini_batch_prompts=2", "rl.n=2",
     "rl.strategy.filter_zero_variance=false", "rl.strategy.filter_broken=false",
     "agent.max_new_tokens_per_turn=16", "agent.max_turns_eval=2",
+    "data.copy_drills=1",  # off in the recipe; the reduced run checks that they reach the export
 ]
 
 
@@ -41,6 +42,12 @@ def test_embedded_recipe_end_to_end_reduced(tmp_path):
     assert all(v["status"] == "done" for v in stages.values())
     run = tmp_path / "runs" / "ci"
     assert all((run / s / "manifest.json").is_file() for s in stages)
+    # Copy drills join the SFT export (pipelines/data/drills.py).
+    data = json.loads((run / "data" / "manifest.json").read_text())["summary"]
+    assert data["sft_drill_rows"] > 0
+    assert data["sft_rows"] == data["sft_drill_rows"] + data["image-search/sft_tasks"] + \
+        data["video/sft_tasks"] - data.get("image-search/trajectories_dropped", 0) - \
+        data.get("video/trajectories_dropped", 0)
     store = Store(read_only=True)
     aggs = store.eval_aggregates(["ci"])
     assert {(a["model"], a["benchmark"]) for a in aggs if a["metric"] == "accuracy"} == {

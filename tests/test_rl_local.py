@@ -368,7 +368,7 @@ IMPROVE = [
     "seed=0", "model.tiny.size=nano", "model.device=cpu", "model.dtype=float32",
     "data.synth.image_search.n_train=120", "data.synth.image_search.n_heldout=0",
     "data.synth.image_search.families=[count]", "data.synth.video.n_train=0",
-    "data.synth.video.n_heldout=0", "data.synth.sft_fraction=0.5",
+    "data.synth.video.n_heldout=0", "data.synth.sft_fraction=0.5", "data.copy_drills=0",
     "sft.use_cpu=true", "sft.precision=fp32", "sft.max_steps=200", "sft.learning_rate=4e-3",
     "sft.lr_scheduler_type=cosine", "sft.warmup_ratio=0.05", "sft.per_device_train_batch_size=4",
     "sft.gradient_accumulation_steps=1", "sft.cutoff_len=2048", "sft.save_steps=100000",

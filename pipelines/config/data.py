@@ -42,5 +42,11 @@ class DataConfig(Section):
     datasets: list[str] = []
     """Real datasets to download (or import) and mix in, e.g. `pyvision-image-sft`."""
 
+    copy_drills: int = Field(0, ge=0, le=16)
+    """Copy drills per cold-start trajectory: short media-free SFT rows that teach a small model to
+    answer with the value its code printed (the trajectory's last interpreter turn and answer, with
+    that value replaced by a random one of the same kind). 0: none. What they did and did not do
+    for the tiny demo: `pipelines/data/drills.py`."""
+
     strict: bool = False
     """Fail on the first invalid row instead of skipping and counting it."""

@@ -6,7 +6,8 @@
 3. Cold-start trajectories executed in the sandbox (``trajectories/<kind>``).
 4. The base model: a tiny Qwen2.5-VL built here when the recipe asks for one, its tokenizer trained
    on the trajectories' own text (so its merges fit the data); else the recipe's model id/path.
-5. The LLaMA-Factory export of all trajectories (``llamafactory/``).
+5. The LLaMA-Factory export of all trajectories (``llamafactory/``), with the copy drills of
+   ``data.copy_drills`` (:mod:`pipelines.data.drills`) when the recipe asks for them.
 6. Real datasets named in ``data.datasets`` (downloaded; offline this stops with the import route).
 
 The manifest's ``outputs`` is the contract with the later stages: ``base_model``,
@@ -121,6 +122,14 @@ def run_data_stage(recipe: Recipe, sd: StageDir, *, show_progress: bool = True) 
         outputs["base_model"] = str(model_dir)
     else:
         outputs["base_model"] = recipe.model.base
+    if recipe.data.copy_drills:
+        # Drills of the cold-start trajectories only, exported from their sources' roots.
+        from pipelines.data.drills import copy_drills
+
+        drills = [(src, copy_drills(convs, recipe.data.copy_drills, recipe.seed))
+                  for src, convs in conversations if src.parent == root / "trajectories"]
+        conversations += drills
+        summary["sft_drill_rows"] = sum(len(d) for _, d in drills)
     if conversations:
         info = export_llamafactory(conversations, root / "llamafactory", name="pyvision_sft")
         outputs["sft_dataset_dir"], outputs["sft_dataset_name"] = info["dataset_dir"], info["dataset"]
