@@ -8,6 +8,7 @@ import stat
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from pipelines.config.recipe import RECIPES_DIR, load_recipe
@@ -59,7 +60,8 @@ def _tiny_sft_recipe(*extra: str):
 
 def test_real_llamafactory_run_on_nano(tiny_model_dir, tmp_path):
     data_dir, name = make_sharegpt(tmp_path / "data")
-    recipe = _tiny_sft_recipe("sft.max_steps=3", "sft.save_steps=2")
+    recipe = _tiny_sft_recipe("sft.max_steps=3", "sft.save_steps=2",
+                              "sft.freeze_multi_modal_projector=true")
     store = Store()
     sd = stage_dir(recipe, "sft", "t1", runs_dir=tmp_path / "runs", store=store)
     sd.begin()
@@ -77,6 +79,14 @@ def test_real_llamafactory_run_on_nano(tiny_model_dir, tmp_path):
     AutoProcessor.from_pretrained(out)
     model = AutoModelForImageTextToText.from_pretrained(out)
     assert sum(p.numel() for p in model.parameters()) > 0
+    # Frozen vision tower and projector come out unchanged; the language model trained.
+    base = AutoModelForImageTextToText.from_pretrained(tiny_model_dir).state_dict()
+    trained = model.state_dict()
+    visual = [k for k in trained if ".visual." in f".{k}"]
+    assert any(".merger." in k for k in visual)
+    assert all(torch.equal(trained[k], base[k]) for k in visual)
+    assert not torch.equal(trained["model.language_model.layers.0.mlp.up_proj.weight"],
+                           base["model.language_model.layers.0.mlp.up_proj.weight"])
 
 
 def _fake_python(tmp_path: Path, code: int) -> str:
