@@ -19,7 +19,7 @@ on its own recent tokens. Drills do not teach the other copy the tasks need, the
 into the code (0 of 24 count questions restated it right), so RL found copying no better than
 guessing and unlearnt it (22 -> 6 of 48); on seed 1 no SFT code ran at all. RL beat SFT on neither
 seed, and the run took 1011 s instead of about 760, so the tiny recipe leaves drills off
-(``data.copy_drills: 0``, the default); the README shows both runs.
+(``data.copy_drills: 0``, the default); ``docs/tiny-recipe.md`` has the numbers.
 A model that already copies (any released VLM) does not need them.
 """
 
