@@ -26,7 +26,8 @@ from pipelines.data.records import Task, write_tasks
 from pipelines.errors import UserError
 from pipelines.fsutil import atomic_dir, atomic_write_json
 
-GENERATOR_VERSION = "1"
+# 2: lossless, repeatable video clips (libx264rgb, qp 0).
+GENERATOR_VERSION = "2"
 # Well separated in RGB so that colour masks with a generous tolerance survive video compression.
 PALETTE: dict[str, tuple[int, int, int]] = {
     "red": (220, 40, 40),
