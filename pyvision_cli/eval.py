@@ -104,16 +104,43 @@ def evaluate(
                            base_url=model if is_url else None, served_model=served_model,
                            register_run=register)
     if json_out:
-        print_json({"run_id": rid, "model": tag, "results": results})
+        scored_by = {bench: counts for (_, model, bench), counts in st.eval_scored_by([rid]).items()
+                     if model == tag}
+        print_json({"run_id": rid, "model": tag, "results": results, "scored_by": scored_by})
 
 
 @command(app, "score")
 def score(
     benchmark: Annotated[str, typer.Option(help="Benchmark name, e.g. vsibench.")],
-    predictions: Annotated[Path, typer.Option(help="JSONL: the benchmark's own fields plus `prediction`.")],
+    predictions: Annotated[Path | None, typer.Option(help="JSONL: the benchmark's own fields plus `prediction`.")] = None,
+    run_id: Annotated[str | None, typer.Option("--run-id", help="Instead of --predictions: score this evaluation run's stored predictions again, asking the judge for the samples its rule fallback scored.", show_default=False)] = None,
+    model_tag: Annotated[str | None, typer.Option(help="With --run-id: only this model tag (otherwise every model the run evaluated).", show_default=False)] = None,
+    config: Annotated[Path | None, typer.Option("--config", "-c", help="With --run-id: recipe whose reward.judge is asked (otherwise the recipe stored with the run).", show_default=False)] = None,
+    set_: SetOpt = None,
+    store: StoreOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Official scores for final answers, no model needed."""
+    """Official scores for final answers, no model needed; or, with --run-id, a stored run's
+    scores again once its judge is back."""
+    from pipelines.errors import UserError
+
+    if (predictions is None) == (run_id is None):
+        raise UserError("pass exactly one of --predictions and --run-id",
+                        hint="--predictions FILE scores a JSONL of answers; --run-id ID scores a "
+                             "stored evaluation again")
+    if run_id is None:
+        # (not --store: PYVISION_STORE sets it for every command)
+        extra = [flag for flag, value in (("--model-tag", model_tag), ("--config", config),
+                                          ("--set", set_)) if value]
+        if extra:
+            raise UserError(f"{extra[0]} only applies with --run-id",
+                            hint=f"drop {extra[0]}, or score a stored run with --run-id")
+        _score_predictions(benchmark, predictions, json_out)
+    else:
+        _rescore_run(benchmark, run_id, model_tag, config, set_, store, json_out)
+
+
+def _score_predictions(benchmark: str, predictions: Path, json_out: bool) -> None:
     from rich.table import Table
 
     from benchmarks import score_predictions
@@ -128,3 +155,39 @@ def score(
     for metric, value in result["aggregate"].items():
         table.add_row(metric, f"{100 * value:.2f}")
     err.print(table)
+
+
+def _rescore_run(benchmark: str, run_id: str, model_tag: str | None, config: Path | None,
+                 sets: list[str] | None, store: Path | None, json_out: bool) -> None:
+    from rich.table import Table
+
+    from benchmarks import benchmark_class
+    from pipelines.config.loader import apply_overrides, validate
+    from pipelines.config.recipe import Recipe
+    from pipelines.eval.judging import rescore
+    from pipelines.store import Store
+
+    primary = benchmark_class(benchmark).primary_metric
+    st = Store(store)
+    stored = st.run_config(run_id) if config is None else None
+    if stored is not None:
+        recipe = validate(Recipe, apply_overrides(stored, sets or []),
+                          f"the recipe stored with run '{run_id}'")
+    else:
+        recipe = load_recipe(config, sets)
+    results = rescore(st, recipe, run_id, benchmark, model_tag)
+    if json_out:
+        print_json({"run_id": run_id, "benchmark": benchmark, "models": results})
+    else:
+        table = Table(title=f"{benchmark} in run {run_id}: samples scored again")
+        for column in ("model", "rule fallbacks", "now judged", "still fallback", primary):
+            table.add_column(column)
+        for model, r in results.items():
+            value = r["aggregate"].get(primary)
+            table.add_row(model, str(r["rescored"]), str(r["judged"]), str(r["still_fallback"]),
+                          "-" if value is None else f"{100 * value:.1f}%")
+        err.print(table)
+    if any(r["still_fallback"] for r in results.values()):
+        err.print("[yellow]warning:[/] the judge still did not answer for some samples; they "
+                  "keep their rule-fallback scores (run this again when it is back)",
+                  soft_wrap=True)

@@ -47,22 +47,39 @@ def report(
 def print_results(store, runs: list[str] | None) -> None:
     """The results table (runs x models by benchmarks, primary metric) and the paired model
     comparisons on stderr."""
-    from rich.table import Table
+    from rich.markup import escape
 
-    from pipelines.report import COMPARISON_HEADER, collect, comparison_rows, results_table
+    from pipelines.report import (
+        COMPARISON_HEADER,
+        SCORING_HEADER,
+        collect,
+        comparison_rows,
+        fallback_notes,
+        results_table,
+        scoring_rows,
+    )
 
     data = collect(store, runs)
     header, rows = results_table(data)
-    table = Table(title="results (primary metric, %)")
+    if rows:
+        _print_table("results (primary metric, %)", header, rows)
+    else:
+        err.print("no evaluation results in the store for these runs")
+    for note in fallback_notes(data):
+        err.print(f"[yellow]{escape(note)}[/]", soft_wrap=True, highlight=False)
+    if data.scoring:
+        _print_table("who scored the samples", SCORING_HEADER, scoring_rows(data))
+    if data.comparisons:
+        _print_table("paired comparisons (ahead/behind only when the 95% interval excludes 0)",
+                     COMPARISON_HEADER, comparison_rows(data))
+
+
+def _print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
+    from rich.table import Table
+
+    table = Table(title=title)
     for h in header:
         table.add_column(h)
     for row in rows:
         table.add_row(*row)
-    err.print(table if rows else "no evaluation results in the store for these runs")
-    if data.comparisons:
-        table = Table(title="paired comparisons (ahead/behind only when the 95% interval excludes 0)")
-        for h in COMPARISON_HEADER:
-            table.add_column(h)
-        for row in comparison_rows(data):
-            table.add_row(*row)
-        err.print(table)
+    err.print(table)

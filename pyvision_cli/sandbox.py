@@ -38,9 +38,9 @@ def run(
     videos = {"video_clue_0": video} if video else {}
     with Sandbox(cfg, images=images, videos=videos) as sbx:
         result = sbx.run(code)
-    out = out_dir or Path(tempfile.mkdtemp(prefix="pyvision-sandbox-out-"))
     paths = []
-    if result.images:
+    if result.images:  # a folder only when there is something to put in it
+        out = out_dir or Path(tempfile.mkdtemp(prefix="pyvision-sandbox-out-"))
         out.mkdir(parents=True, exist_ok=True)
         for i, png in enumerate(result.images):
             path = out / f"image_{i}.png"

@@ -47,9 +47,11 @@ class FakeOpenAI:
 
     ``respond(request_body) -> (status, payload)`` answers each POST; with ``threaded`` it runs on
     one thread per request, so a test can check that a client really sends requests concurrently.
-    GET answers the model list. Parsed requests are kept in ``requests``. A context manager."""
+    GET answers the model list. Parsed requests are kept in ``requests``. A context manager.
+    ``port`` 0 picks a free one; a given port brings a stopped endpoint back where it was."""
 
-    def __init__(self, respond, *, threaded: bool = False, model: str = "qwen") -> None:
+    def __init__(self, respond, *, threaded: bool = False, model: str = "qwen",
+                 port: int = 0) -> None:
         import threading
         from http.server import BaseHTTPRequestHandler, HTTPServer, ThreadingHTTPServer
 
@@ -76,7 +78,7 @@ class FakeOpenAI:
             def log_message(self, *args):
                 return None
 
-        self.httpd = (ThreadingHTTPServer if threaded else HTTPServer)(("127.0.0.1", 0), Handler)
+        self.httpd = (ThreadingHTTPServer if threaded else HTTPServer)(("127.0.0.1", port), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import subprocess
 import time
 from pathlib import Path
 
@@ -137,8 +138,14 @@ def test_huge_output_is_truncated_while_streaming():
     with Sandbox(cfg) as s:
         result = s.run("import sys\nchunk = 'x' * 1_000_000 + '\\n'\n"
                        "print('HEAD')\nfor _ in range(100):\n    sys.stdout.write(chunk)\nprint('TAIL')")
-    assert result.status == "ok" and result.truncated
-    assert result.stdout.startswith("HEAD") and result.stdout.rstrip().endswith("TAIL")
+    assert result.status == "ok"
+    _assert_head_and_tail(result, "HEAD", "TAIL")
+
+
+def _assert_head_and_tail(result: ExecResult, head: str, tail: str) -> None:
+    """Output truncated to about 1000 characters, keeping its start and its end."""
+    assert result.truncated
+    assert result.stdout.startswith(head) and result.stdout.rstrip().endswith(tail)
     assert "[truncated" in result.stdout and len(result.stdout) < 1200
 
 
@@ -408,3 +415,152 @@ def test_cli_run_json_and_exit_codes(tmp_path):
     assert missing.exit_code == 2 and "not found" in missing.output
     bad = runner.invoke(app, ["run", str(tmp_path / "nope.py")])
     assert bad.exit_code == 2 and "code file not found" in bad.output
+
+
+# -- what a failed call still says ---------------------------------------------------------------
+# A call that times out, crashes, ends the process or is killed for memory returns what the code
+# printed before (bounded), followed by the reason.
+
+modes = pytest.mark.parametrize("mode", ["rlimit", pytest.param("bwrap", marks=strict)])
+
+
+@modes
+def test_output_printed_before_a_timeout_is_kept(mode):
+    with Sandbox(SandboxConfig(isolation=mode, timeout_s=1.5)) as s:
+        start = time.monotonic()
+        result = s.run("import os\nprint('step 1')\nos.write(1, b'from-fd\\n')\nwhile True: pass")
+        elapsed = time.monotonic() - start
+    assert result.status == "timeout"
+    assert "step 1" in result.stdout and "from-fd" in result.stdout
+    assert "killed after 1.5 s" in result.stderr
+    assert elapsed < 1.5 + 1.0
+
+
+@modes
+def test_output_printed_before_a_segfault_is_kept(mode):
+    with Sandbox(SandboxConfig(isolation=mode, timeout_s=10)) as s:
+        result = s.run("print('before the crash')\nimport ctypes\nctypes.string_at(0)")
+    assert result.status == "crashed"
+    assert result.stdout.startswith("before the crash")
+    assert "killed by SIGSEGV" in result.stderr
+
+
+@modes
+def test_output_printed_before_os_exit_is_kept(mode):
+    with Sandbox(SandboxConfig(isolation=mode, timeout_s=10)) as s:
+        result = s.run("print('partial', end='')\nimport os\nos._exit(3)")
+        assert result.status == "crashed" and result.stdout == "partial"
+        assert "exited with code 3" in result.stderr
+        # The next call runs in a fresh runtime and says so.
+        assert "restarted" in s.run("print(1)").stdout
+
+
+def test_output_printed_before_a_memory_kill_is_kept():
+    # The kernel's OOM killer (or a cgroup) ends a process with SIGKILL; in rlimit mode the code
+    # can send itself the same signal (pid 1 of the strict sandbox's namespace cannot).
+    with Sandbox(SandboxConfig(isolation="rlimit", timeout_s=10, memory_mb=1024)) as s:
+        result = s.run("print('allocated 3 blocks')\nimport os, signal\n"
+                       "os.kill(os.getpid(), signal.SIGKILL)")
+    assert result.status == "oom"
+    assert result.stdout.strip() == "allocated 3 blocks"
+    assert "memory limit" in result.stderr and "1024 MiB" in result.stderr
+
+
+@modes
+def test_output_kept_after_a_failure_is_bounded(mode):
+    cfg = SandboxConfig(isolation=mode, timeout_s=2, max_output_chars=1000)
+    with Sandbox(cfg) as s:
+        result = s.run("import sys\nprint('HEAD')\nfor i in range(200_000):\n    print(i)\n"
+                       "print('TAIL-\\u00e9\\u4e2d')\nsys.stdout.flush()\nwhile True: pass")
+    assert result.status == "timeout"
+    _assert_head_and_tail(result, "HEAD", "TAIL-\u00e9\u4e2d")
+
+
+def _pyvision(*args: str, timeout: float = 120) -> tuple[subprocess.CompletedProcess, float]:
+    """Run this checkout's CLI in a subprocess; return the result and its wall time."""
+    import sys
+
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "pyvision_cli.main", *args], cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True,
+                          text=True, timeout=timeout, check=False)
+    return proc, time.monotonic() - start
+
+
+def test_cli_timeout_returns_within_a_second_of_the_limit(tmp_path):
+    quick = tmp_path / "quick.py"
+    quick.write_text("print('quick')\n")
+    loop = tmp_path / "loop.py"
+    loop.write_text("print('started')\nwhile True:\n    pass\n")
+    base, startup = _pyvision("sandbox", "run", str(quick))
+    assert base.returncode == 0 and base.stdout.strip() == "quick", base.stderr
+    proc, elapsed = _pyvision("sandbox", "run", str(loop), "--timeout", "3")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "started" and "killed after 3 s" in proc.stderr
+    # The command's own start-up (imports, zygote) is measured by the quick run.
+    assert elapsed - startup < 3 + 1.0, (elapsed, startup)
+
+
+def test_showing_a_huge_image_downscales_it_and_the_runtime_keeps_its_state(sbx):
+    from pipelines.agent.sandbox import SHOWN_IMAGE_MAX_PIXELS
+
+    _ok(sbx.run("kept = 41"))
+    code = ("noise = np.random.default_rng(0).integers(0, 255, (8000, 8000, 3), dtype=np.uint8)\n"
+            "display(noise)\nImage.fromarray(noise).show()\ndel noise\n"
+            "plt.figure(figsize=(80, 80), dpi=100)\nplt.plot([0, 1])\nplt.show()\nprint('done')")
+    result = sbx.run(code)
+    assert result.status == "ok", result.stderr
+    assert len(result.images) == 3
+    for png in result.images:
+        w, h = Image.open(io.BytesIO(png)).size
+        assert w * h <= SHOWN_IMAGE_MAX_PIXELS and abs(w - h) <= 1
+    assert result.stdout.count("downscaled") == 3 and "8000x8000" in result.stdout
+    assert _ok(sbx.run("print(kept + 1)")).strip() == "42"
+
+
+def test_sys_stdout_buffer_is_captured(sbx):
+    out = _ok(sbx.run("import sys\nsys.stdout.buffer.write('h\\u00e9llo '.encode()[:2])\n"
+                      "sys.stdout.buffer.write('h\\u00e9llo '.encode()[2:])\n"
+                      "sys.stdout.buffer.flush()\nprint(sys.stdout.encoding)"))
+    assert out == "h\u00e9llo utf-8\n"
+
+
+def test_image_limit_is_said_once_per_call():
+    with Sandbox(SandboxConfig(max_images_per_call=4, timeout_s=30)) as s:
+        result = s.run("for i in range(30):\n    Image.new('RGB', (8, 8)).show()\n"
+                       "for i in range(3):\n    plt.figure(); plt.plot([i])\nplt.show()\n"
+                       "fig = plt.figure()\ndisplay(fig)\nprint('end')")
+    assert result.status == "ok" and len(result.images) == 4
+    notes = [line for line in result.stdout.splitlines() if line.startswith("[sandbox")]
+    assert notes == ["[sandbox: 30 images beyond the limit of 4 per call were not shown]"]
+
+
+def test_cli_leaves_no_empty_output_folder(tmp_path, monkeypatch):
+    import tempfile
+
+    from typer.testing import CliRunner
+
+    from pyvision_cli.sandbox import app
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    code = tmp_path / "code.py"
+    code.write_text("print('no images')\n")
+    result = CliRunner().invoke(app, ["run", str(code)])
+    assert result.exit_code == 0 and "no images" in result.output
+    assert list(tmp_path.glob("pyvision-sandbox-out-*")) == []
+    code.write_text("plt.plot([1]); plt.show()\n")
+    result = CliRunner().invoke(app, ["run", str(code), "--json"])
+    (folder,) = tmp_path.glob("pyvision-sandbox-out-*")
+    assert json.loads(result.stdout)["images"] == [str(folder / "image_0.png")]
+
+
+@strict
+def test_rlimit_by_choice_does_not_say_bubblewrap_is_missing(monkeypatch):
+    from pipelines.agent import sandbox as sandbox_mod
+
+    monkeypatch.setattr(sandbox_mod, "_warned_rlimit", False)
+    with pytest.warns(RuntimeWarning) as warned:
+        isolation_mode(SandboxConfig(isolation="rlimit"))
+    (message,) = [str(w.message) for w in warned]
+    assert "NOT A SECURITY BOUNDARY" in message and "unavailable" not in message
+    assert "isolation=rlimit was chosen" in message and "bubblewrap is installed" in message

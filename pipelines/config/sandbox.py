@@ -39,4 +39,5 @@ class SandboxConfig(Section):
     marker in between."""
 
     max_images_per_call: int = Field(16, ge=0, le=1024)
-    """Most images one code call may return; extra figures are dropped with a note in stdout."""
+    """Most images one code call may return; the call's output says once how many more were
+    dropped."""

@@ -7,8 +7,9 @@ benchmarks; on-demand video context for video ones, or uniform frames with
 ``agent.video_context: uniform``), store each trajectory with its per-sample scores as soon as it
 finishes, and finally store the aggregate under the metric names lmms-eval uses, with the
 benchmark version, prompt version and scorer. With ``reward.judge.base_url`` set, benchmarks whose
-official scorer asks an LLM (MathVerse; HR-Bench where its rules fail) ask that judge, fall back
-to their rules when it does not answer, and record the judge model in the scorer.
+official scorer asks an LLM (MathVerse; HR-Bench where its rules fail) ask that judge and fall back
+to their rules when it does not answer; each sample records which scorer decided it, and results
+built on fallbacks are marked and can be scored again later (:mod:`pipelines.eval.judging`).
 
 Everything a user can get wrong (a missing data file, an undecodable image or video, a model
 folder that does not load, a server that does not answer) is checked for every benchmark before
@@ -29,6 +30,7 @@ from pipelines.config.recipe import Recipe
 from pipelines.console import err
 from pipelines.data.records import Task
 from pipelines.errors import DataError, EndpointError
+from pipelines.eval.judging import Scoring, fallback_warning, scoring_for, store_aggregate
 from pipelines.fsutil import weights_fingerprint
 from pipelines.store import EvalRecord, Store
 
@@ -42,7 +44,7 @@ class _Plan:
     bench: Benchmark
     tasks: list[Task]
     done: set[str]
-    scorer: str
+    scoring: Scoring
     stale: int = 0
     """Stored samples of this benchmark that other weights produced (evaluated again)."""
 
@@ -127,7 +129,6 @@ def run_eval(recipe: Recipe, *, model: str, model_tag: str, benchmarks: list[str
     ``register_run`` (``name``, ``recipe_path``, ``config``) upserts the run in the store once
     every input has been checked, so a run that fails its checks writes nothing.
     """
-    from benchmarks import get_benchmark
     from pipelines.agent.loop import run_episodes
     from pipelines.agent.policies import make_policy
 
@@ -140,15 +141,14 @@ def run_eval(recipe: Recipe, *, model: str, model_tag: str, benchmarks: list[str
     fingerprint = weights_fingerprint(model) if policy is None and engine != "openai" else None
     plans: list[_Plan] = []
     for name in dict.fromkeys(benchmarks):  # a name given twice runs once
-        judged = _judge_kwargs(name, judge)
-        bench = get_benchmark(name, **judged)
-        # The judge is part of the scorer: its model is stored with every score it touched.
-        scorer = bench.reference + (f"; judge {recipe.reward.judge.model}" if judged else "")
+        # The judge is part of the scorer: its model is stored with every score it decided.
+        scoring = scoring_for(name, judge, recipe.reward.judge.model)
+        bench = scoring.bench
         data_dir = (data_dirs or {}).get(name) or cfg.data_dir
         tasks = bench.load(data_dir=data_dir, limit=limit)
         done = store.eval_sample_ids(run_id, model_tag, name, fingerprint=fingerprint)
         any_weights = store.eval_sample_ids(run_id, model_tag, name) & {t.id for t in tasks}
-        plan = _Plan(name, bench, tasks, done, scorer, stale=len(any_weights - done))
+        plan = _Plan(name, bench, tasks, done, scoring, stale=len(any_weights - done))
         check_media(name, plan.pending)
         plans.append(plan)
     if policy is None and any(p.pending for p in plans):
@@ -164,7 +164,7 @@ def run_eval(recipe: Recipe, *, model: str, model_tag: str, benchmarks: list[str
     batch = cfg.concurrency if engine == "openai" else cfg.batch_size
     results: dict[str, dict[str, float]] = {}
     for plan in plans:
-        name, bench, pending, scorer = plan.name, plan.bench, plan.pending, plan.scorer
+        name, bench, pending, scoring = plan.name, plan.bench, plan.pending, plan.scoring
         by_id = {t.id: t for t in plan.tasks}
         if plan.stale:
             store.forget_eval_aggregate(run_id, model_tag, name)
@@ -177,11 +177,12 @@ def run_eval(recipe: Recipe, *, model: str, model_tag: str, benchmarks: list[str
             for traj in run_episodes([(t, Path("/")) for t in pending], policy, recipe.agent,
                                      recipe.sandbox, mode="eval", batch_size=batch):
                 task = by_id[traj.task_id]
-                scores = bench.score(task, traj.final_answer)
+                scores, scored_by = scoring.score(task, traj.final_answer)
                 rec = EvalRecord(
                     run_id=run_id, model=model_tag, benchmark=name, sample_id=task.id,
                     benchmark_version=bench.version, prompt_version=traj.prompt_version,
-                    prompt_hash=traj.prompt_hash, scorer=scorer,
+                    prompt_hash=traj.prompt_hash, scorer=scoring.sample_scorer(scored_by),
+                    scored_by=scored_by, task=task.model_dump(mode="json"),
                     prediction=traj.final_answer, stop_reason=traj.stop_reason,
                     turns=traj.num_turns, tool_calls=traj.tool_calls,
                     failed_calls=traj.failed_calls, visual_tokens=traj.visual_tokens,
@@ -195,22 +196,21 @@ def run_eval(recipe: Recipe, *, model: str, model_tag: str, benchmarks: list[str
                 progress.advance()
         finally:
             progress.close()
-        stored = store.eval_scores(run_id, model_tag, name)
-        samples = [(by_id[sid], s) for sid, s in stored.items() if sid in by_id]
-        aggregate = bench.aggregate(samples) if samples else {}
-        prompt_versions = {r["prompt_version"] for r in store.eval_records(run_id, model_tag, name)}
-        store.set_eval_aggregate(run_id, model_tag, name, aggregate, n=len(samples),
-                                 benchmark_version=bench.version,
-                                 prompt_version=",".join(sorted(prompt_versions)),
-                                 scorer=scorer)
+        aggregate, n_samples, scored_by = store_aggregate(store, run_id, model_tag, scoring, by_id)
         results[name] = aggregate
         elapsed = time.monotonic() - start
         head = aggregate.get(bench.primary_metric)
         if show_progress:
             rate = len(pending) / elapsed if pending and elapsed > 0 else 0.0
+            judged = (f"; judge {scored_by['judge']}, rule fallback {scored_by['rule_fallback']}"
+                      if scoring.probe else "")
             err.print(f"{model_tag} on {name}: {bench.primary_metric} = "
-                      f"{'-' if head is None else f'{100 * head:.1f}%'} over {len(samples)} samples"
-                      f" ({len(pending)} new, {rate:.2f} samples/s)")
+                      f"{'-' if head is None else f'{100 * head:.1f}%'} over {n_samples} samples"
+                      f" ({len(pending)} new, {rate:.2f} samples/s{judged})")
+        if warning := fallback_warning(run_id, model_tag, name, scored_by):
+            from rich.markup import escape
+
+            err.print(f"[yellow]warning:[/] {escape(warning)}", soft_wrap=True, highlight=False)
     return results
 
 
@@ -221,18 +221,6 @@ def _judge(recipe: Recipe, store: Store) -> Any:
     from pipelines.rl.judge import Judge
 
     return Judge(recipe.reward.judge, store=store)
-
-
-def _judge_kwargs(name: str, judge: Any) -> dict[str, Any]:
-    """``{"judge": fn}`` for benchmarks whose official scorer uses an LLM judge, else ``{}``."""
-    import inspect
-
-    from benchmarks import benchmark_class
-
-    if judge is None or "judge" not in inspect.signature(benchmark_class(name)).parameters:
-        return {}
-    return {"judge": lambda question, prediction, gold: judge.judge(question, prediction, gold,
-                                                                     name)}
 
 
 class _Progress:

@@ -47,6 +47,9 @@ class ReportData:
     curves: dict[str, dict[str, list[tuple[int, float]]]] = field(default_factory=dict)
     eval_stats: list[dict[str, Any]] = field(default_factory=list)
     comparisons: list[dict[str, Any]] = field(default_factory=list)
+    scoring: list[dict[str, Any]] = field(default_factory=list)
+    """Per (run, model, benchmark) that a judge scored: samples decided by the judge, by the
+    rules, and by the rule fallback when the judge did not answer."""
 
     def benchmarks(self) -> list[str]:
         return sorted({r["benchmark"] for r in self.results})
@@ -238,7 +241,52 @@ def collect(store: Any, run_ids: list[str] | None = None) -> ReportData:
     comparisons += pooled_comparisons(runs, paired_by_run)
     return ReportData(runs=[{k: (str(v) if k == "created_at" else v) for k, v in r.items()}
                             for r in runs], results=results, curves=curves, eval_stats=stats,
-                      comparisons=comparisons)
+                      comparisons=comparisons, scoring=scoring_counts(store, ids))
+
+
+def scoring_counts(store: Any, run_ids: list[str]) -> list[dict[str, Any]]:
+    """``ReportData.scoring``: who decided the samples of each result a judge took part in."""
+    if not run_ids:
+        return []
+    rows = []
+    for (run, model, bench), counts in store.eval_scored_by(run_ids).items():
+        if counts.get("judge", 0) or counts.get("rule_fallback", 0):
+            rows.append({"run": run, "model": model, "benchmark": bench,
+                         "n": sum(counts.values()), "judge": counts.get("judge", 0),
+                         "rules": counts.get("rules", 0),
+                         "rule_fallback": counts.get("rule_fallback", 0)})
+    return sorted(rows, key=lambda r: (r["run"], r["benchmark"], MODEL_ORDER.get(r["model"], 9),
+                                       r["model"]))
+
+
+SCORING_HEADER = ["run", "model", "benchmark", "n", "judge", "rules", "rule fallback"]
+FALLBACK_MARK = "*"
+
+
+def scoring_rows(data: ReportData) -> list[list[str]]:
+    return [[r["run"], r["model"], r["benchmark"], str(r["n"]), str(r["judge"]), str(r["rules"]),
+             str(r["rule_fallback"])] for r in data.scoring]
+
+
+def _fallbacks(data: ReportData) -> dict[tuple[str, str, str], int]:
+    return {(r["run"], r["model"], r["benchmark"]): r["rule_fallback"] for r in data.scoring
+            if r["rule_fallback"]}
+
+
+def fallback_notes(data: ReportData) -> list[str]:
+    """What a marked result means and how to score it again (empty when nothing is marked)."""
+    import shlex
+
+    notes = []
+    for (run, model, bench), n in sorted(_fallbacks(data).items()):
+        total = next(r["n"] for r in data.scoring
+                     if (r["run"], r["model"], r["benchmark"]) == (run, model, bench))
+        command = shlex.join(["pyvision", "eval", "score", "--run-id", run, "--model-tag", model,
+                              "--benchmark", bench])
+        notes.append(f"{FALLBACK_MARK} {run} / {model} / {bench}: the judge did not answer for "
+                     f"{n} of {total} samples and the rule fallback scored them; score them "
+                     f"again when it is back: {command}")
+    return notes
 
 
 def to_json(data: ReportData) -> dict[str, Any]:
@@ -246,7 +294,8 @@ def to_json(data: ReportData) -> dict[str, Any]:
             "results": [{k: r[k] for k in ("run", "model", "benchmark", "metric", "value")}
                         for r in data.results],
             "comparisons": data.comparisons,
-            "eval_stats": data.eval_stats}
+            "eval_stats": data.eval_stats,
+            "scoring": data.scoring}
 
 
 def results_table(data: ReportData) -> tuple[list[str], list[list[str]]]:
@@ -260,11 +309,13 @@ def results_table(data: ReportData) -> tuple[list[str], list[list[str]]]:
         metrics = {m for (run, model, bb), ms in by_key.items() if bb == b for m in ms}
         header.append(f"{b} ({primary_metric(metrics)})" if metrics else b)
     rows = []
+    marked = _fallbacks(data)
     for run, model in data.rows():
         row = [run, model]
         for b in benches:
             ms = by_key.get((run, model, b))
-            row.append(f"{100 * ms[primary_metric(ms)]:.1f}" if ms else "-")
+            mark = FALLBACK_MARK if (run, model, b) in marked else ""
+            row.append(f"{100 * ms[primary_metric(ms)]:.1f}{mark}" if ms else "-")
         rows.append(row)
     return header, rows
 
@@ -346,8 +397,14 @@ def to_markdown(data: ReportData, images: dict[str, Path] | None = None) -> str:
     if rows:
         lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         lines += ["| " + " | ".join(r) + " |" for r in rows]
+        if notes := fallback_notes(data):
+            lines += ["", *(f"{note}  " for note in notes)]  # two spaces: a line break
     else:
         lines.append("No evaluation results in the store for these runs.")
+    if data.scoring:
+        lines += ["", "## Who scored the samples (judge, rules, rule fallback)", "",
+                  "| " + " | ".join(SCORING_HEADER) + " |", "|" + "---|" * len(SCORING_HEADER)]
+        lines += ["| " + " | ".join(r) + " |" for r in scoring_rows(data)]
     if data.comparisons:
         lines += ["", "## Model comparisons (paired, same samples)", "",
                   "| " + " | ".join(COMPARISON_HEADER) + " |", "|" + "---|" * len(COMPARISON_HEADER)]
@@ -394,6 +451,10 @@ def to_html(data: ReportData, images: dict[str, Path] | None = None) -> str:
              + "</p>", "<h2>Results (primary metric, %)</h2>"]
     parts.append(_html_table(header, rows, "results") if rows else
                  "<p>No evaluation results in the store for these runs.</p>")
+    parts += [f"<p class='small fallback'>{html.escape(note)}</p>" for note in fallback_notes(data)]
+    if data.scoring:
+        parts.append("<h2>Who scored the samples (judge, rules, rule fallback)</h2>")
+        parts.append(_html_table(SCORING_HEADER, scoring_rows(data), "scoring"))
     if data.comparisons:
         parts.append("<h2>Model comparisons (paired, same samples)</h2>")
         parts.append(_html_table(COMPARISON_HEADER, comparison_rows(data), "comparisons"))

@@ -60,6 +60,13 @@ ANY_WEIGHTS = object()
 """``eval_sample_ids`` default: samples stored by any weights."""
 
 
+def _in_runs(run_ids: Sequence[str] | None) -> tuple[str, list[Any]]:
+    """A ``WHERE`` clause (and its parameters) keeping the rows of ``run_ids``; all when empty."""
+    if not run_ids:
+        return "", []
+    return f" WHERE run_id IN ({', '.join('?' for _ in run_ids)})", list(run_ids)
+
+
 def _is_lock_error(exc: Exception) -> bool:
     text = str(exc).lower()
     return "lock" in text or "conflicting" in text or "being used" in text
@@ -89,6 +96,10 @@ class EvalRecord:
     scores: Mapping[str, float]
     model_fingerprint: str | None = None
     """Digest of the weights that produced it (``fsutil.weights_fingerprint``); None if unknown."""
+    scored_by: str | None = None
+    """Which scorer decided: ``judge``, ``rules`` or ``rule_fallback`` (judge asked, no answer)."""
+    task: Mapping[str, Any] | None = None
+    """The task it was scored against (JSON), so it can be scored again from the store."""
 
 
 class Store:
@@ -213,6 +224,12 @@ class Store:
         return self._query("SELECT run_id, name, recipe_path, git_sha, created_at FROM runs "
                            "ORDER BY created_at, run_id")
 
+    def run_config(self, run_id: str) -> dict[str, Any] | None:
+        """The resolved recipe stored with ``run_id`` (None when the run or its config is not
+        stored)."""
+        rows = self._query("SELECT config_json FROM runs WHERE run_id = ?", [run_id])
+        return json.loads(rows[0]["config_json"]) if rows and rows[0]["config_json"] else None
+
     def set_stage(self, run_id: str, stage: str, status: str, *, run_dir: str | None = None,
                   summary: Mapping[str, Any] | None = None) -> None:
         if status not in ("running", "done", "failed"):
@@ -290,18 +307,36 @@ class Store:
                 "INSERT INTO eval_trajectories (run_id, model, benchmark, sample_id, "
                 "benchmark_version, prompt_version, prompt_hash, scorer, prediction, stop_reason, "
                 "turns, tool_calls, failed_calls, visual_tokens, total_tokens, duration_s, "
-                "trajectory, model_fingerprint) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "trajectory, model_fingerprint, scored_by, task) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 key + [rec.benchmark_version, rec.prompt_version, rec.prompt_hash, rec.scorer,
                        rec.prediction, rec.stop_reason, rec.turns, rec.tool_calls,
                        rec.failed_calls, rec.visual_tokens, rec.total_tokens, rec.duration_s,
                        json.dumps(rec.trajectory) if rec.trajectory is not None else None,
-                       rec.model_fingerprint])
-            if rec.scores:
-                con.executemany(
-                    "INSERT INTO eval_scores (run_id, model, benchmark, sample_id, metric, value) "
-                    "VALUES (?, ?, ?, ?, ?, ?)",
-                    [key + [m, None if v is None else float(v)] for m, v in rec.scores.items()])
+                       rec.model_fingerprint, rec.scored_by,
+                       json.dumps(rec.task) if rec.task is not None else None])
+            self._insert_scores(con, key, rec.scores)
+
+    @staticmethod
+    def _insert_scores(con: duckdb.DuckDBPyConnection, key: list[str],
+                       scores: Mapping[str, float]) -> None:
+        if scores:
+            con.executemany(
+                "INSERT INTO eval_scores (run_id, model, benchmark, sample_id, metric, value) "
+                "VALUES (?, ?, ?, ?, ?, ?)",
+                [key + [m, None if v is None else float(v)] for m, v in scores.items()])
+
+    def rescore_eval_sample(self, run_id: str, model: str, benchmark: str, sample_id: str, *,
+                            scores: Mapping[str, float], scorer: str, scored_by: str) -> None:
+        """Replace one stored sample's scores and the scorer that decided them (one
+        transaction); its trajectory and prediction stay as they are."""
+        with self._transaction() as con:
+            key = [run_id, model, benchmark, sample_id]
+            con.execute("DELETE FROM eval_scores WHERE run_id=? AND model=? AND benchmark=? "
+                        "AND sample_id=?", key)
+            self._insert_scores(con, key, scores)
+            con.execute("UPDATE eval_trajectories SET scorer=?, scored_by=? WHERE run_id=? AND "
+                        "model=? AND benchmark=? AND sample_id=?", [scorer, scored_by, *key])
 
     def eval_sample_ids(self, run_id: str, model: str, benchmark: str, *,
                         fingerprint: str | None | object = ANY_WEIGHTS) -> set[str]:
@@ -330,12 +365,15 @@ class Store:
                     con.execute(f"DELETE FROM {table} WHERE run_id=?", [run_id])
 
     def eval_records(self, run_id: str, model: str | None = None, benchmark: str | None = None,
-                     with_trajectory: bool = False) -> list[dict[str, Any]]:
+                     with_trajectory: bool = False, with_task: bool = False
+                     ) -> list[dict[str, Any]]:
         cols = ("run_id, model, benchmark, sample_id, benchmark_version, prompt_version, "
-                "prompt_hash, scorer, prediction, stop_reason, turns, tool_calls, failed_calls, "
-                "visual_tokens, total_tokens, duration_s")
+                "prompt_hash, scorer, scored_by, prediction, stop_reason, turns, tool_calls, "
+                "failed_calls, visual_tokens, total_tokens, duration_s")
         if with_trajectory:
             cols += ", trajectory"
+        if with_task:
+            cols += ", task"
         sql = f"SELECT {cols} FROM eval_trajectories WHERE run_id = ?"
         params: list[Any] = [run_id]
         if model is not None:
@@ -345,10 +383,23 @@ class Store:
             sql += " AND benchmark = ?"
             params.append(benchmark)
         rows = self._query(sql + " ORDER BY model, benchmark, sample_id", params)
-        if with_trajectory:
+        for column in ("trajectory", "task"):
             for row in rows:
-                row["trajectory"] = json.loads(row["trajectory"]) if row["trajectory"] else None
+                if column in row:
+                    row[column] = json.loads(row[column]) if row[column] else None
         return rows
+
+    def eval_scored_by(self, run_ids: Sequence[str] | None = None
+                       ) -> dict[tuple[str, str, str], dict[str, int]]:
+        """``{(run_id, model, benchmark): {scored_by: samples}}``; samples stored before the
+        scorer was recorded count as ``unknown``."""
+        where, params = _in_runs(run_ids)
+        sql = ("SELECT run_id, model, benchmark, coalesce(scored_by, 'unknown') AS by, "
+               f"count(*) AS n FROM eval_trajectories{where} GROUP BY ALL ORDER BY ALL")
+        out: dict[tuple[str, str, str], dict[str, int]] = {}
+        for r in self._query(sql, params):
+            out.setdefault((r["run_id"], r["model"], r["benchmark"]), {})[r["by"]] = int(r["n"])
+        return out
 
     def eval_scores(self, run_id: str, model: str, benchmark: str) -> dict[str, dict[str, float]]:
         """``{sample_id: {metric: value}}`` for one model on one benchmark."""
@@ -372,13 +423,10 @@ class Store:
                   scorer] for m, v in metrics.items()])
 
     def eval_aggregates(self, run_ids: Sequence[str] | None = None) -> list[dict[str, Any]]:
-        sql = ("SELECT run_id, model, benchmark, metric, value, n, benchmark_version, "
-               "prompt_version, scorer, created_at FROM eval_aggregates")
-        params: list[Any] = []
-        if run_ids:
-            sql += f" WHERE run_id IN ({', '.join('?' for _ in run_ids)})"
-            params.extend(run_ids)
-        return self._query(sql + " ORDER BY run_id, benchmark, model, metric", params)
+        where, params = _in_runs(run_ids)
+        return self._query("SELECT run_id, model, benchmark, metric, value, n, benchmark_version, "
+                           f"prompt_version, scorer, created_at FROM eval_aggregates{where} "
+                           "ORDER BY run_id, benchmark, model, metric", params)
 
     # -- judge cache -------------------------------------------------------------------------
 

@@ -3,9 +3,13 @@
 Model-written code is hostile input. Each trajectory gets a :class:`Sandbox`: a persistent Python
 runtime (numpy as ``np``, PIL's ``Image``, matplotlib's ``plt`` with the Agg backend, ``decord`` for
 video) holding the task's media as ``image_clue_0``, ``image_clue_1``, ... or ``video_clue_0``.
-``plt.show()``, ``img.show()`` and ``display(obj)`` return PNG images; printed output is kept up to
-``max_output_chars`` (head and tail, with a marker); every call ends in an :class:`ExecResult` with
-status ``ok | error | timeout | oom | crashed``.
+``plt.show()``, ``img.show()`` and ``display(obj)`` return PNG images (at most
+``max_images_per_call``, larger than :data:`SHOWN_IMAGE_MAX_PIXELS` downscaled, each with one
+note in the output); printed output is kept up to ``max_output_chars`` (head and tail, with a
+marker); every call ends in an :class:`ExecResult` with status ``ok | error | timeout | oom |
+crashed``. A call that times out, crashes or is killed still returns what the code printed before
+(the output lives in memory the host shares), then the reason ("killed after 3 s", "killed by
+SIGSEGV").
 
 How it is fast: one *zygote* process per host process imports numpy, PIL, matplotlib and decord
 once; each sandbox is a fork of it, so starting one costs milliseconds instead of the second a
@@ -64,6 +68,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal, Self
 
+from pipelines.agent.sandbox._zygote import output_buffer_size, render_output
 from pipelines.config.sandbox import SandboxConfig
 from pipelines.errors import DataError, UserError
 
@@ -73,6 +78,10 @@ SANDBOX_ZYGOTE_PATH = "/opt/pyvision/zygote.py"
 MAX_HEADER_BYTES = 64 * 1024 * 1024
 MAX_IMAGE_BYTES = 32 * 1024 * 1024
 MAX_IMAGE_PIXELS = 64 * 1024 * 1024
+# Larger images are downscaled inside the sandbox before they are shown (with a note in the
+# output): even incompressible RGBA pixels then fit in MAX_IMAGE_BYTES, so showing a huge image
+# can neither exceed the frame limit nor cost the runtime its state.
+SHOWN_IMAGE_MAX_PIXELS = 2560 * 2560
 # A worker that cannot load its media writes one stderr line "sandbox worker <id>: <reason>" and
 # exits with this code (as in _zygote.py, which cannot import this package).
 SETUP_FAILED_EXIT = 72
@@ -140,9 +149,19 @@ def isolation_mode(config: SandboxConfig | None = None) -> Literal["bwrap", "rli
         mode = "rlimit"
     if mode == "rlimit" and not _warned_rlimit:
         _warned_rlimit = True
-        msg = ("SANDBOX IS NOT A SECURITY BOUNDARY: bubblewrap is unavailable, so model-written "
-               "code runs with rlimits only and can read your files and reach the network. "
-               "Install bubblewrap (apt-get install bubblewrap) for real isolation.")
+        installed = shutil.which("bwrap") is not None
+        if cfg.isolation == "rlimit":
+            why = "sandbox.isolation=rlimit was chosen"
+            fix = ("bubblewrap is installed: use" if installed else "install bubblewrap "
+                   "(apt-get install bubblewrap) and use") + " isolation auto or bwrap instead"
+        elif installed:
+            why = "bubblewrap is installed but cannot create namespaces here"
+            fix = "enable unprivileged user namespaces for real isolation"
+        else:
+            why = "bubblewrap is not installed"
+            fix = "install it (apt-get install bubblewrap) for real isolation"
+        msg = (f"SANDBOX IS NOT A SECURITY BOUNDARY: {why}, so model-written code runs with "
+               f"rlimits only and can read your files and reach the network; {fix}.")
         warnings.warn(msg, RuntimeWarning, stacklevel=2)
         from pipelines.console import err
 
@@ -399,6 +418,10 @@ class _Zygote:
     def shutdown(self) -> None:
         with self.lock:
             if self.control is not None:
+                # shutdown() first: close() alone leaves the socket open while the event reader
+                # thread sits in recv() on it, so the zygote would never see the host hang up.
+                with contextlib.suppress(OSError):
+                    self.control.shutdown(socket.SHUT_RDWR)
                 self.control.close()
                 self.control = None
             if self.proc is not None:
@@ -416,7 +439,7 @@ _ZYGOTES: dict[str, _Zygote] = {}
 _ZYGOTES_LOCK = threading.Lock()
 
 
-def _zygote(mode: Literal["bwrap", "rlimit"]) -> _Zygote:
+def _zygote_for(mode: Literal["bwrap", "rlimit"]) -> _Zygote:
     with _ZYGOTES_LOCK:
         if mode not in _ZYGOTES:
             _ZYGOTES[mode] = _Zygote(mode)
@@ -488,9 +511,16 @@ def _send_frame(sock: socket.socket, payload: bytes) -> None:
     sock.sendall(struct.pack(">I", len(payload)) + payload)
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
+    """``n`` bytes; with ``deadline`` (monotonic) a TimeoutError once it passes, however the
+    bytes trickle in (the code can write to its end of the socket)."""
     buf = bytearray()
     while len(buf) < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            sock.settimeout(left)
         chunk = sock.recv(min(n - len(buf), 1 << 20))
         if not chunk:
             raise EOFError
@@ -498,11 +528,11 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def _recv_frame(sock: socket.socket, limit: int) -> bytes:
-    (n,) = struct.unpack(">I", _recv_exact(sock, 4))
+def _recv_frame(sock: socket.socket, limit: int, deadline: float | None = None) -> bytes:
+    (n,) = struct.unpack(">I", _recv_exact(sock, 4, deadline))
     if n > limit:
         raise ValueError(f"sandbox sent a {n}-byte frame (limit {limit})")
-    return _recv_exact(sock, n)
+    return _recv_exact(sock, n, deadline)
 
 
 class Sandbox:
@@ -520,8 +550,9 @@ class Sandbox:
             data, suffix = _video_bytes(name, value)
             self._media.append(({"name": name, "kind": "video", "suffix": suffix}, data))
         self._mode = isolation_mode(self.config)
-        self._zygote = _zygote(self._mode)
+        self._zygote = _zygote_for(self._mode)
         self._sock: socket.socket | None = None
+        self._output_fd: int | None = None
         self._sid = ""
         self._restarted = False
         self._closed = False
@@ -538,6 +569,7 @@ class Sandbox:
                 "max_processes": c.max_processes, "max_file_mb": c.max_file_mb,
                 "max_open_files": c.max_open_files, "max_output_chars": c.max_output_chars,
                 "max_images_per_call": c.max_images_per_call,
+                "max_image_pixels": SHOWN_IMAGE_MAX_PIXELS, "max_image_bytes": MAX_IMAGE_BYTES,
                 "tmp_mb": c.max_file_mb * 2 + media_mb + 16}
 
     def _start(self) -> None:
@@ -551,6 +583,13 @@ class Sandbox:
             ready = json.loads(_recv_frame(sock, 1 << 16))
             if not ready.get("ready"):
                 raise RuntimeError("sandbox worker did not become ready")
+            # The worker's output buffer, shared before any code runs (see _zygote.BoundedText).
+            tag, fds, _, _ = socket.recv_fds(sock, 1, 1, socket.MSG_CMSG_CLOEXEC)
+            if tag != b"o" or len(fds) != 1:
+                for fd in fds:
+                    os.close(fd)
+                raise EOFError
+            self._output_fd = fds[0]
         except (OSError, EOFError, ValueError) as exc:
             # A worker that hung up has exited (or is about to): read its exit code before a
             # kill would replace it with SIGKILL.
@@ -583,21 +622,24 @@ class Sandbox:
         try:
             sock.settimeout(self.config.timeout_s)
             _send_frame(sock, json.dumps({"type": "run", "code": code}).encode())
-            header = json.loads(_recv_frame(sock, MAX_HEADER_BYTES))
+            header = json.loads(_recv_frame(sock, MAX_HEADER_BYTES,
+                                            start + self.config.timeout_s))
             sizes = header.get("image_sizes", [])
-            if not isinstance(sizes, list) or any(not isinstance(s, int) or s > MAX_IMAGE_BYTES
-                                                  for s in sizes):
+            if (not isinstance(sizes, list) or len(sizes) > self.config.max_images_per_call
+                    or any(not isinstance(s, int) or s > MAX_IMAGE_BYTES for s in sizes)):
                 raise ValueError("bad image sizes")
-            images = [_recv_frame(sock, MAX_IMAGE_BYTES) for _ in sizes]
+            sent_by = time.monotonic() + max(self.config.timeout_s, 30.0)
+            images = [_recv_frame(sock, MAX_IMAGE_BYTES, sent_by) for _ in sizes]
         except TimeoutError:
             self._kill()
-            return ExecResult("timeout", "", note + f"TimeoutError: the code ran longer than "
-                              f"{self.config.timeout_s:g} s and was stopped (with every process "
-                              "it started)", [], time.monotonic() - start, False)
+            t = self.config.timeout_s
+            return self._failed("timeout", f"TimeoutError: killed after {t:g} s: the code ran "
+                                f"longer than the {t:g} s limit and was stopped (with every "
+                                "process it started)", note, start)
         except (EOFError, OSError, ValueError) as exc:
             info = self._zygote.wait_exit(self._sid, 2.0) or {}
             self._kill()
-            return self._crash_result(info, exc, note, time.monotonic() - start)
+            return self._crash_result(info, exc, note, start)
         status = header.get("status")
         if status not in ("ok", "error", "oom"):
             status = "crashed"
@@ -610,20 +652,38 @@ class Sandbox:
                           float(header.get("duration_s", time.monotonic() - start)),
                           bool(header.get("truncated", False)))
 
-    def _crash_result(self, info: dict, exc: Exception, note: str, duration: float) -> ExecResult:
+    def _failed(self, status: Status, reason: str, note: str, start: float) -> ExecResult:
+        """The result of a call whose process is gone: what the code printed before (from the
+        shared output buffer, bounded), then the reason."""
+        stdout, truncated = self._printed_before()
+        return ExecResult(status, note + stdout, reason, [], time.monotonic() - start, truncated)
+
+    def _printed_before(self) -> tuple[str, bool]:
+        fd, self._output_fd = self._output_fd, None
+        if fd is None:
+            return "", False
+        limit = self.config.max_output_chars
+        try:
+            return render_output(os.pread(fd, output_buffer_size(limit), 0), limit)
+        except OSError:
+            return "", False
+        finally:
+            os.close(fd)
+
+    def _crash_result(self, info: dict, exc: Exception, note: str, start: float) -> ExecResult:
         sig = info.get("signal")
         if sig == 24:  # SIGXCPU: the CPU-seconds rlimit
-            return ExecResult("timeout", "", note + f"TimeoutError: the code used more than "
-                              f"{self.config.cpu_seconds} CPU seconds and was stopped",
-                              [], duration, False)
+            return self._failed("timeout", f"TimeoutError: killed after using "
+                                f"{self.config.cpu_seconds} CPU seconds (the sandbox's CPU "
+                                "limit)", note, start)
         if sig == 9 and info:
-            return ExecResult("oom", "", note + "MemoryError: the sandbox process was killed "
-                              "(out of memory)", [], duration, False)
-        what = (f"killed by {SIGNAL_NAMES.get(sig, f'signal {sig}')}" if sig
-                else f"exited with code {info.get('code')}" if info else f"lost ({exc})")
-        return ExecResult("crashed", "", note + f"The Python runtime crashed: it {what}. "
-                          "It will be restarted on the next call, without earlier variables.",
-                          [], duration, False)
+            return self._failed("oom", f"MemoryError: the sandbox process was killed by SIGKILL, "
+                                f"most likely for exceeding the memory limit "
+                                f"({self.config.memory_mb} MiB)", note, start)
+        what = (f"was killed by {SIGNAL_NAMES.get(sig, f'signal {sig}')}" if sig
+                else f"exited with code {info.get('code')}" if info else f"was lost ({exc})")
+        return self._failed("crashed", f"The Python runtime crashed: it {what}. It will be "
+                            "restarted on the next call, without earlier variables.", note, start)
 
     def _kill(self, wait: bool = True) -> None:
         self._zygote.kill(self._sid)
@@ -641,6 +701,9 @@ class Sandbox:
         self._closed = True
         if self._sock is not None:
             self._kill(wait=False)
+        if self._output_fd is not None:
+            os.close(self._output_fd)
+            self._output_fd = None
 
     def __enter__(self) -> Self:
         return self

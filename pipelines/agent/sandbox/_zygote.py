@@ -24,6 +24,7 @@ import contextlib
 import ctypes
 import io
 import json
+import mmap
 import os
 import resource
 import select
@@ -81,18 +82,89 @@ def recv_frame(sock: socket.socket) -> bytes:
 
 
 # -- bounded output capture -----------------------------------------------------------------------
+#
+# A call's output lives in a buffer laid out as OUTPUT_HEADER (characters written, head bytes,
+# tail bytes written) + the head (the first ``limit // 2`` characters, UTF-8) + a ring holding the
+# last ``limit - limit // 2`` characters. The worker's buffer is shared memory (a memfd the host
+# holds too), so what the code printed before a timeout, a crash, ``os._exit`` or a memory kill
+# is still readable by the host after the process is gone. The host reads it with
+# ``render_output``, treating every byte as untrusted (the code can scribble on its own memory).
+
+OUTPUT_HEADER = struct.Struct("<QQQ")
+
+
+def output_buffer_size(limit: int) -> int:
+    """Bytes of the output buffer for ``limit`` characters (4 bytes each, UTF-8's widest)."""
+    return OUTPUT_HEADER.size + 4 * max(limit, 2)
+
+
+def _output_layout(limit: int) -> tuple[int, int, int]:
+    """(head characters, head capacity in bytes, tail characters)."""
+    limit = max(limit, 2)
+    half = limit // 2
+    return half, 4 * half, limit - half
+
+
+def render_output(buf: bytes, limit: int) -> tuple[str, bool]:
+    """The text an output buffer holds: head, a truncation marker if needed, tail."""
+    half, head_cap, tail_chars = _output_layout(limit)
+    data = bytes(buf[:output_buffer_size(limit)]).ljust(output_buffer_size(limit), b"\0")
+    total, head_bytes, tail_written = OUTPUT_HEADER.unpack_from(data)
+    start = OUTPUT_HEADER.size
+    head = data[start:start + min(head_bytes, head_cap)].decode("utf-8", "replace")[:half]
+    ring = data[start + head_cap:]
+    if tail_written <= len(ring):
+        raw = ring[:tail_written]
+    else:
+        pos = tail_written % len(ring)
+        raw = ring[pos:] + ring[:pos]
+    tail = raw.decode("utf-8", "ignore")[-tail_chars:]  # the ring may cut one character
+    kept = len(head) + len(tail)
+    if total <= kept:
+        return head + tail, False
+    return f"{head}\n... [truncated {total - kept} characters] ...\n{tail}", True
+
+
+class _BinaryOut(io.RawIOBase):
+    """``sys.stdout.buffer``: bytes decoded as UTF-8 (split characters joined) into the text."""
+
+    def __init__(self, text: BoundedText) -> None:
+        import codecs
+
+        self.text = text
+        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:  # type: ignore[override]
+        data = bytes(b)
+        self.text.write(self.decoder.decode(data))
+        return len(data)
 
 
 class BoundedText(io.TextIOBase):
-    """Keeps the first and last ``limit // 2`` characters of everything written, counts the rest."""
+    """Keeps the first and last ``limit // 2`` characters of everything written, counts the rest,
+    in an output buffer (see ``render_output``): ``buf`` when given (shared memory), else its own.
+    """
 
-    def __init__(self, limit: int) -> None:
+    encoding = "utf-8"
+    errors = "replace"
+
+    def __init__(self, limit: int, buf=None) -> None:
         self.limit = max(limit, 2)
-        self.head: list[str] = []
-        self.head_len = 0
-        self.tail = ""
-        self.total = 0
+        self.half, self.head_cap, self.tail_chars = _output_layout(self.limit)
+        size = output_buffer_size(self.limit)
+        self.buf = memoryview(buf if buf is not None else bytearray(size))[:size]
+        self.ring_start = OUTPUT_HEADER.size + self.head_cap
+        self.ring_size = size - self.ring_start
+        self.total = self.head_chars = self.head_bytes = self.tail_written = 0
         self.lock = threading.Lock()
+        self.buffer = _BinaryOut(self)
+        self._publish()
+
+    def _publish(self) -> None:
+        OUTPUT_HEADER.pack_into(self.buf, 0, self.total, self.head_bytes, self.tail_written)
 
     def writable(self) -> bool:
         return True
@@ -100,26 +172,35 @@ class BoundedText(io.TextIOBase):
     def write(self, s) -> int:  # type: ignore[override]
         if not isinstance(s, str):
             s = str(s)
+        n = len(s)
         with self.lock:
-            self.total += len(s)
-            half = self.limit // 2
-            if self.head_len < half:
-                take = s[: half - self.head_len]
-                self.head.append(take)
-                self.head_len += len(take)
+            if self.head_chars < self.half:
+                take = s[: self.half - self.head_chars]
+                data = take.encode("utf-8", "replace")
+                at = OUTPUT_HEADER.size + self.head_bytes
+                self.buf[at:at + len(data)] = data
+                self.head_chars += len(take)
+                self.head_bytes += len(data)
                 s = s[len(take):]
             if s:
-                self.tail = (self.tail + s)[-(self.limit - half):]
-        return len(s)
+                data = s[-self.tail_chars:].encode("utf-8", "replace")
+                size = len(data)
+                pos = self.tail_written % self.ring_size
+                at = self.ring_start + pos
+                if pos + size <= self.ring_size:
+                    self.buf[at:at + size] = data
+                else:
+                    first = self.ring_size - pos
+                    self.buf[at:at + first] = data[:first]
+                    self.buf[self.ring_start:self.ring_start + size - first] = data[first:]
+                self.tail_written += size
+            self.total += n
+            OUTPUT_HEADER.pack_into(self.buf, 0, self.total, self.head_bytes, self.tail_written)
+        return n
 
     def getvalue(self) -> tuple[str, bool]:
         with self.lock:
-            head = "".join(self.head)
-            kept = len(head) + len(self.tail)
-            if self.total <= kept:
-                return head + self.tail, False
-            dropped = self.total - kept
-            return f"{head}\n... [truncated {dropped} characters] ...\n{self.tail}", True
+            return render_output(self.buf, self.limit)
 
     def flush(self) -> None:
         return None
@@ -233,11 +314,13 @@ class Runtime:
 
     MAX_ASPECT = 200
 
-    def __init__(self, preloaded: dict, limits: dict) -> None:
+    def __init__(self, preloaded: dict, limits: dict, output=None) -> None:
         self.limits = limits
+        self.output = output
         self.plt = preloaded["plt"]
         self.Image = preloaded["Image"]
         self.images: list[bytes] = []
+        self.dropped = 0
         self.globals: dict = {"__name__": "__main__", "__builtins__": __builtins__, **preloaded}
         self.globals["display"] = self.display
         runtime = self
@@ -261,40 +344,67 @@ class Runtime:
             raise ValueError(f"image aspect ratio {w}x{h} is too extreme to show "
                              f"(must be below {self.MAX_ASPECT}:1)")
 
-    def add_pil(self, img) -> None:
-        self._check_aspect(*img.size)
+    def _room(self) -> bool:
+        """Whether one more image fits in this call; the ones that do not are counted."""
         if len(self.images) < self.limits["max_images_per_call"]:
-            self.images.append(self._png(lambda b: img.save(b, format="PNG", compress_level=1)))
+            return True
+        self.dropped += 1
+        return False
+
+    def _fit(self, w: float, h: float, what: str) -> float:
+        """The factor that brings a ``w`` x ``h`` image within the shown-pixel limit (1.0 when it
+        fits), saying so in the output when it shrinks it."""
+        most = self.limits["max_image_pixels"]
+        if w * h <= most:
+            return 1.0
+        scale = (most / (w * h)) ** 0.5 * 0.999  # rounding must not cross the limit
+        print(f"[sandbox: {what} {int(w)}x{int(h)} downscaled to {int(w * scale)}x"
+              f"{int(h * scale)} to be shown (at most {most} pixels)]")
+        return scale
+
+    def _keep(self, png: bytes) -> None:
+        most = self.limits["max_image_bytes"]
+        if len(png) > most:
+            print(f"[sandbox: an image was not shown: its PNG has {len(png)} bytes, more than "
+                  f"{most}]")
         else:
-            print(f"[sandbox: more than {self.limits['max_images_per_call']} images in one call; "
-                  "extra images dropped]")
+            self.images.append(png)
+
+    def add_pil(self, img) -> None:
+        w, h = img.size
+        self._check_aspect(w, h)
+        if not self._room():
+            return
+        scale = self._fit(w, h, "image")
+        if scale < 1.0:
+            img = img.resize((max(1, int(w * scale)), max(1, int(h * scale))),
+                             self.Image.Resampling.BILINEAR, reducing_gap=2.0)
+        self._keep(self._png(lambda b: img.save(b, format="PNG", compress_level=1)))
+
+    def add_figure(self, fig) -> None:
+        try:
+            w, h = fig.get_size_inches() * fig.dpi
+            self._check_aspect(w, h)
+            if not self._room():
+                return
+            dpi = fig.dpi * self._fit(w, h, "figure")
+            # No tight bbox (it draws the figure twice) and fast PNG compression: together they
+            # halve the cost of a plt.show().
+            self._keep(self._png(lambda b: fig.savefig(
+                b, format="png", dpi=dpi, pil_kwargs={"compress_level": 1})))
+        finally:
+            self.plt.close(fig)
 
     def capture_figures(self) -> None:
-        plt = self.plt
-        for num in plt.get_fignums():
-            fig = plt.figure(num)
-            w, h = fig.get_size_inches() * fig.dpi
-            try:
-                self._check_aspect(w, h)
-                if len(self.images) < self.limits["max_images_per_call"]:
-                    # No tight bbox (it draws the figure twice) and fast PNG compression:
-                    # together they halve the cost of a plt.show().
-                    self.images.append(self._png(lambda b: fig.savefig(  # noqa: B023 - called now
-                        b, format="png", pil_kwargs={"compress_level": 1})))
-                else:
-                    print("[sandbox: too many figures in one call; extra figures dropped]")
-            finally:
-                plt.close(fig)
+        for num in self.plt.get_fignums():
+            self.add_figure(self.plt.figure(num))
 
     def display(self, obj) -> None:
         """Show a PIL image, a numpy array or a matplotlib figure to the model."""
         if isinstance(obj, self.Image.Image):
             self.add_pil(obj)
         elif hasattr(obj, "savefig"):
-            self._check_aspect(*(obj.get_size_inches() * obj.dpi))
-            self.images.append(self._png(lambda b: obj.savefig(
-                b, format="png", pil_kwargs={"compress_level": 1})))
-            self.plt.close(obj)
+            self.add_figure(obj)
         elif hasattr(obj, "shape") and hasattr(obj, "dtype"):
             self.add_pil(self.Image.fromarray(obj))
         else:
@@ -302,8 +412,9 @@ class Runtime:
 
     def run(self, code: str) -> dict:
         limit = int(self.limits["max_output_chars"])
-        out = BoundedText(limit)
+        out = BoundedText(limit, self.output)
         self.images = []
+        self.dropped = 0
         old_out, old_err = sys.stdout, sys.stderr
         sys.stdout = sys.stderr = out
         _pumps.set_sink(out)
@@ -336,6 +447,10 @@ class Runtime:
             sys.stdout, sys.stderr = old_out, old_err
         _pumps.drain()
         _pumps.set_sink(None)
+        if self.dropped:
+            n, most = self.dropped, self.limits["max_images_per_call"]
+            out.write(f"[sandbox: {n} image{'s' if n > 1 else ''} beyond the limit of {most} per "
+                      f"call {'were' if n > 1 else 'was'} not shown]\n")
         text, truncated = out.getvalue()
         err = BoundedText(limit)
         err.write(error)
@@ -404,9 +519,13 @@ class _FdPumps:
                 self._emit(data[:i])
                 data = data[i + len(self.MARKER):]
                 self.drained.set()
-            # Hold back a possible partial marker at the end of this read.
-            self._emit(data[:-keep] if len(data) > keep else b"")
-            carry = data[-keep:] if len(data) > keep else data
+            # Hold back only what may be the start of a marker (a NUL and what follows it):
+            # everything else reaches the sink now, so a process killed in the middle of a
+            # call still leaves its output there.
+            cut = next((i for i in range(max(0, len(data) - keep), len(data))
+                        if self.MARKER.startswith(data[i:])), len(data))
+            self._emit(data[:cut])
+            carry = data[cut:]
 
 
 _pumps = _FdPumps()
@@ -425,16 +544,19 @@ def _setup_failed(setup_fd: int, sid: str, message: str) -> None:
 
 
 def worker_main(sock: socket.socket, limits: dict, preloaded: dict, mode: str,
-                setup_fd: int, sid: str) -> None:
+                setup_fd: int, sid: str, output_fd: int) -> None:
     """Load the media, then run code until the host hangs up. ``setup_fd`` is the zygote's
-    stderr, open only until the media are loaded (the code's own output is captured)."""
+    stderr, open only until the media are loaded (the code's own output is captured).
+    ``output_fd`` is the shared output buffer: handed to the host once the media are loaded,
+    before any of the code runs, then closed here (the mapping stays)."""
+    output = mmap.mmap(output_fd, output_buffer_size(int(limits["max_output_chars"])))
     init = json.loads(recv_frame(sock))
     workdir = "/tmp" if mode == "strict" else tempfile.mkdtemp(prefix="pyvision-sbx-")
     os.chdir(workdir)
     os.environ.clear()
     os.environ.update({"HOME": workdir, "TMPDIR": workdir, "PATH": "/usr/bin:/bin",
                        "MPLCONFIGDIR": workdir, "OMP_NUM_THREADS": "1", "LANG": "C.UTF-8"})
-    runtime = Runtime(preloaded, limits)
+    runtime = Runtime(preloaded, limits, output)
     Image = preloaded["Image"]
     for spec in init.get("media", []):
         blob = recv_frame(sock)
@@ -459,6 +581,8 @@ def worker_main(sock: socket.socket, limits: dict, preloaded: dict, mode: str,
                 _setup_failed(setup_fd, sid, f"decord cannot open {spec['name']}: {exc}")
     os.close(setup_fd)
     send_frame(sock, json.dumps({"ready": True}).encode())
+    socket.send_fds(sock, [b"o"], [output_fd])
+    os.close(output_fd)
     while True:
         try:
             msg = json.loads(recv_frame(sock))
@@ -516,12 +640,15 @@ def spawn(conn_fd: int, limits: dict, preloaded: dict, mode: str, control_fd: in
             if mode == "strict":
                 hide_proc()
                 drop_capabilities()
+            # Sized before the file-size rlimit applies (it bounds memfds too).
+            output_fd = os.memfd_create("pyvision-output", os.MFD_CLOEXEC)
+            os.ftruncate(output_fd, output_buffer_size(int(limits["max_output_chars"])))
             apply_rlimits(limits)
             libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
             setup_fd = os.dup(2)
             _pumps.start()
             try:
-                worker_main(sock, limits, preloaded, mode, setup_fd, sid)
+                worker_main(sock, limits, preloaded, mode, setup_fd, sid, output_fd)
             finally:
                 os._exit(0)
         os.close(conn_fd)
