@@ -98,6 +98,26 @@ def _record(run_id="r", sample_id="1", fingerprint=None, model="rl"):
                       model_fingerprint=fingerprint)
 
 
+def test_eval_writer_commits_in_batches_within_its_delay(tmp_path, monkeypatch):
+    import pipelines.store as store_mod
+
+    store = Store(tmp_path / "s.duckdb")
+    clock = [100.0]
+    monkeypatch.setattr(store_mod.time, "monotonic", lambda: clock[0])
+    writer = store.eval_writer(max_delay_s=1.0)
+    writer.add(_record(sample_id="1"))
+    clock[0] += 0.5
+    writer.add(_record(sample_id="2"))
+    assert store.eval_sample_ids("r", "rl", "vstar") == set()  # both still within the delay
+    clock[0] += 0.6
+    writer.add(_record(sample_id="3"))  # the first is now 1.1 s old: all three commit together
+    assert store.eval_sample_ids("r", "rl", "vstar") == {"1", "2", "3"}
+    writer.add(_record(sample_id="4"))
+    writer.flush()
+    assert store.eval_sample_ids("r", "rl", "vstar") == {"1", "2", "3", "4"}
+    writer.flush()  # nothing pending: a no-op
+
+
 def test_stored_samples_count_as_done_only_for_the_same_weights(tmp_path):
     store = Store(tmp_path / "s.duckdb")
     store.add_eval_record(_record(sample_id="1", fingerprint="aaaa"))

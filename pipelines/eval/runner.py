@@ -173,6 +173,7 @@ def run_eval(recipe: Recipe, *, model: str, model_tag: str, benchmarks: list[str
         start = time.monotonic()
         progress = _Progress(show_progress, f"eval {model_tag} on {name}", len(plan.tasks),
                              len(plan.tasks) - len(pending))
+        writer = store.eval_writer()
         try:
             for traj in run_episodes([(t, Path("/")) for t in pending], policy, recipe.agent,
                                      recipe.sandbox, mode="eval", batch_size=batch):
@@ -190,11 +191,12 @@ def run_eval(recipe: Recipe, *, model: str, model_tag: str, benchmarks: list[str
                                   + traj.observation_tokens),
                     duration_s=traj.total_s, trajectory=traj.to_json(), scores=scores,
                     model_fingerprint=fingerprint)
-                store.add_eval_record(rec)
+                writer.add(rec)
                 if on_sample is not None:
                     on_sample(name, rec)
                 progress.advance()
         finally:
+            writer.flush()
             progress.close()
         aggregate, n_samples, scored_by = store_aggregate(store, run_id, model_tag, scoring, by_id)
         results[name] = aggregate

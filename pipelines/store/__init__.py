@@ -297,25 +297,38 @@ class Store:
 
     def add_eval_record(self, rec: EvalRecord) -> None:
         """Store one evaluated sample and its per-sample scores in one transaction."""
+        self.add_eval_records([rec])
+
+    def add_eval_records(self, records: Sequence[EvalRecord]) -> None:
+        """Store evaluated samples (each replacing its earlier copy) in one transaction."""
+        if not records:
+            return
         with self._transaction() as con:
-            key = [rec.run_id, rec.model, rec.benchmark, rec.sample_id]
-            con.execute("DELETE FROM eval_scores WHERE run_id=? AND model=? AND benchmark=? "
-                        "AND sample_id=?", key)
-            con.execute("DELETE FROM eval_trajectories WHERE run_id=? AND model=? AND "
-                        "benchmark=? AND sample_id=?", key)
-            con.execute(
-                "INSERT INTO eval_trajectories (run_id, model, benchmark, sample_id, "
-                "benchmark_version, prompt_version, prompt_hash, scorer, prediction, stop_reason, "
-                "turns, tool_calls, failed_calls, visual_tokens, total_tokens, duration_s, "
-                "trajectory, model_fingerprint, scored_by, task) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                key + [rec.benchmark_version, rec.prompt_version, rec.prompt_hash, rec.scorer,
-                       rec.prediction, rec.stop_reason, rec.turns, rec.tool_calls,
-                       rec.failed_calls, rec.visual_tokens, rec.total_tokens, rec.duration_s,
-                       json.dumps(rec.trajectory) if rec.trajectory is not None else None,
-                       rec.model_fingerprint, rec.scored_by,
-                       json.dumps(rec.task) if rec.task is not None else None])
-            self._insert_scores(con, key, rec.scores)
+            for rec in records:
+                key = [rec.run_id, rec.model, rec.benchmark, rec.sample_id]
+                con.execute("DELETE FROM eval_scores WHERE run_id=? AND model=? AND benchmark=? "
+                            "AND sample_id=?", key)
+                con.execute("DELETE FROM eval_trajectories WHERE run_id=? AND model=? AND "
+                            "benchmark=? AND sample_id=?", key)
+                con.execute(
+                    "INSERT INTO eval_trajectories (run_id, model, benchmark, sample_id, "
+                    "benchmark_version, prompt_version, prompt_hash, scorer, prediction, "
+                    "stop_reason, turns, tool_calls, failed_calls, visual_tokens, total_tokens, "
+                    "duration_s, trajectory, model_fingerprint, scored_by, task) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    key + [rec.benchmark_version, rec.prompt_version, rec.prompt_hash,
+                           rec.scorer, rec.prediction, rec.stop_reason, rec.turns,
+                           rec.tool_calls, rec.failed_calls, rec.visual_tokens,
+                           rec.total_tokens, rec.duration_s,
+                           json.dumps(rec.trajectory) if rec.trajectory is not None else None,
+                           rec.model_fingerprint, rec.scored_by,
+                           json.dumps(rec.task) if rec.task is not None else None])
+                self._insert_scores(con, key, rec.scores)
+
+    def eval_writer(self, max_delay_s: float = 1.0) -> EvalWriter:
+        """A buffer that commits evaluated samples together, at most ``max_delay_s`` after the
+        first of them finished (one store connection per batch, not per sample)."""
+        return EvalWriter(self, max_delay_s)
 
     @staticmethod
     def _insert_scores(con: duckdb.DuckDBPyConnection, key: list[str],
@@ -444,3 +457,25 @@ class Store:
             con.execute("INSERT INTO judge_cache (key, model, response, verdict) VALUES "
                         "(?, ?, ?, ?) ON CONFLICT (key) DO UPDATE SET response=excluded.response, "
                         "verdict=excluded.verdict", [key, model, response, verdict])
+
+
+class EvalWriter:
+    """Commits evaluated samples in small batches; ``flush()`` (always call it, in a ``finally``)
+    commits what is left. A sample is committed at most ``max_delay_s`` after it is added, so an
+    interrupted evaluation loses at most that much work and resumes from the rest."""
+
+    def __init__(self, store: Store, max_delay_s: float) -> None:
+        self.store, self.max_delay_s = store, max_delay_s
+        self.pending: list[EvalRecord] = []
+        self.since = 0.0
+
+    def add(self, rec: EvalRecord) -> None:
+        if not self.pending:
+            self.since = time.monotonic()
+        self.pending.append(rec)
+        if time.monotonic() - self.since >= self.max_delay_s:
+            self.flush()
+
+    def flush(self) -> None:
+        records, self.pending = self.pending, []
+        self.store.add_eval_records(records)
