@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import io
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -88,9 +89,11 @@ class Trajectory:
 
     def to_json(self) -> dict[str, Any]:
         """Everything but pixels and the token trace, with a schema version."""
-        data = asdict(self)
-        data.pop("images")
-        data.pop("trace")
+        # Field by field: asdict() would deep-copy the PIL images and the token trace first.
+        data = {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name not in ("images", "trace")}
+        data["prompt"] = copy.deepcopy(self.prompt)
+        data["turns"] = [asdict(t) for t in self.turns]
         data["schema_version"] = SCHEMA_VERSION
         data["num_turns"] = self.num_turns
         return data

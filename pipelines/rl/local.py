@@ -30,10 +30,12 @@ Step metrics (names as stored): ``reward/mean|std|accuracy|tool|format``, ``rewa
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import time
 from collections import Counter
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -161,20 +163,26 @@ class LocalEngine:
                                 thread_name_prefix="judge") as pool:
             return list(pool.map(one, pairs))
 
-    def rollout(self) -> RolloutBatch:
-        """Generate rounds of groups until enough survive the strategy's filters."""
-        start = time.monotonic()
+    @contextlib.contextmanager
+    def sampling(self) -> Iterator[None]:
+        """While rolling out: eval mode, and no sampled vision pads. A weak policy sampling at
+        T=1 sometimes emits <|image_pad|> itself; the next forward then has one more image token
+        than image features and raises. Suppressed while rolling out only, so the saved models'
+        generation configs stay as they were."""
         self.model.eval()
-        # A weak policy sampling at T=1 sometimes emits <|image_pad|> itself; the next forward then
-        # has one more image token than image features and raises. Suppressed while rolling out
-        # only, so the saved models' generation configs stay as they were.
         gen_cfg = self.model.generation_config
         saved = gen_cfg.suppress_tokens
         gen_cfg.suppress_tokens = sorted(set(saved or []) | set(self._vision_pads))
         try:
-            return self._rollout(start)
+            yield
         finally:
             gen_cfg.suppress_tokens = saved
+
+    def rollout(self) -> RolloutBatch:
+        """Generate rounds of groups until enough survive the strategy's filters."""
+        start = time.monotonic()
+        with self.sampling():
+            return self._rollout(start)
 
     def _rollout(self, start: float) -> RolloutBatch:
         from pipelines.agent.loop import run_episodes

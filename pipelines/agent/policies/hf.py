@@ -38,6 +38,9 @@ class HFPolicy:
         self.eos_ids = self.tokens.eos_ids
         self.image_token_id = self.tokens.image_token_id
         self.pad_id = self.tokens.pad_id
+        # Extra transformers LogitsProcessors applied when sampling (tests force tokens with one);
+        # the recorded log-probs stay the model's own.
+        self.logits_processors: list[Any] = []
 
     @classmethod
     def from_pretrained(cls, path: str, *, device: str = "auto", dtype: str = "auto",
@@ -103,6 +106,10 @@ class HFPolicy:
         do_sample = sampling.temperature > 0
         sample_kwargs = {"temperature": sampling.temperature, "top_p": sampling.top_p,
                          "top_k": 0} if do_sample else {}
+        if self.logits_processors:
+            from transformers import LogitsProcessorList
+
+            sample_kwargs["logits_processor"] = LogitsProcessorList(self.logits_processors)
         with torch.no_grad():
             out = self.model.generate(
                 input_ids=ids.to(device), attention_mask=attn.to(device), **kwargs,
@@ -115,6 +122,10 @@ class HFPolicy:
                 use_cache=True)
         new = out.sequences[:, longest:].cpu()
         logits = torch.stack(out.logits, dim=1).float().cpu() if out.logits else None
+        if logits is not None and do_sample and sampling.temperature != 1.0:
+            # The log-probs of the distribution the tokens were sampled from (the trainer
+            # recomputes them the same way; top-p is not applied to either).
+            logits = logits / sampling.temperature
         results = []
         for i, h in enumerate(handles):
             row = new[i].tolist()
