@@ -27,12 +27,12 @@ def test_fresh_store_is_migrated(tmp_path):
 
 def test_store_from_newer_pyvision_is_refused(tmp_path):
     path = tmp_path / "s.duckdb"
-    Store(path)
+    Store(path).migrate()
     con = duckdb.connect(str(path))
     con.execute("INSERT INTO schema_version (version, name) VALUES (?, 'future')", [SCHEMA_VERSION + 1])
     con.close()
     with pytest.raises(UserError, match="newer than this pyvision"):
-        Store(path)
+        Store(path).migrate()
     with pytest.raises(UserError, match="newer than this pyvision"):
         Store(path, read_only=True)
 
@@ -202,7 +202,7 @@ def _writer(path: str, batches: int) -> None:
 
 def test_concurrent_reader_never_sees_half_a_write(tmp_path):
     path = tmp_path / "s.duckdb"
-    Store(path)
+    Store(path).migrate()
     ctx = mp.get_context("spawn")
     proc = ctx.Process(target=_writer, args=(str(path), 40))
     proc.start()

@@ -484,7 +484,8 @@ def to_html(data: ReportData, images: dict[str, Path] | None = None) -> str:
 def write_report(store: Any, run_ids: list[str] | None, formats: Iterable[str],
                  out_dir: str | Path) -> dict[str, str]:
     """Collect once, render each format into ``out_dir``; returns format -> file path."""
-    data = collect(store, run_ids)
+    with store.session():  # every read on one connection; the lock is let go before rendering
+        data = collect(store, run_ids)
     if not data.runs:
         raise UserError(f"the store {store.path} has no runs yet",
                         hint="run a stage first, e.g. `make demo`, or pass --store")
