@@ -112,7 +112,7 @@ def build_initial_messages(task: Task, media_root: Path, variant: str, agent_cfg
                 with Image.open(path) as img:
                     img.load()
                     full = img.convert("RGB")
-            except (FileNotFoundError, UnidentifiedImageError, OSError) as exc:
+            except (Image.DecompressionBombError, UnidentifiedImageError, OSError) as exc:
                 raise DataError(f"task {task.id}: image {path} cannot be read ({exc})",
                                 hint="fix the media path or drop the task") from None
             runtime["images"][f"image_clue_{i}"] = path

@@ -481,7 +481,8 @@ def _image_bytes(name: str, value: Any) -> bytes:
     try:
         with Image.open(io.BytesIO(data)) as img:
             img.verify()
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
+    except (UnidentifiedImageError, Image.DecompressionBombError, OSError, SyntaxError,
+            ValueError) as exc:
         raise DataError(f"image for {name} is corrupt or not an image: {path} ({exc})",
                         hint="replace the file or drop the task") from None
     return data
