@@ -42,7 +42,7 @@ def _usage_error(exc: UsageError) -> typer.Exit:
     """A command-line error (unknown option, bad value, missing argument) as one line, like a
     UserError: what is wrong, then where to read the options."""
     where = exc.ctx.command_path if exc.ctx is not None else "pyvision"
-    message = " ".join(exc.format_message().split()).rstrip(". ")
+    message = " ".join(exc.format_message().replace("Value error, ", "").split()).rstrip(". ")
     print_error(f"{message}. Fix: see `{where} --help`.")
     return typer.Exit(exc.exit_code)
 
@@ -74,8 +74,23 @@ def _parse_in_one_line(make_context, *args, **kwargs):
         raise _usage_error(exc) from None
 
 
+def _name_text_values(params: list[Any]) -> None:
+    """Help shows an option's value by name (``--families FAMILIES``), not as ``<str>``."""
+    for param in params:
+        if getattr(param, "bare_type", lambda: "")() not in ("str", "list[str]"):
+            continue
+        if param.param_type_name == "argument":  # its NAME says it already
+            param.display_type_rich = lambda ctx: None
+        elif param.metavar is None:
+            param.metavar = param.name.upper()
+
+
 class PyVisionGroup(TyperGroup):
     """A Typer group whose commands report UserError as one line with exit code 2."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _name_text_values(self.params)
 
     def make_context(self, *args: Any, **kwargs: Any) -> click.Context:
         return _parse_in_one_line(super().make_context, *args, **kwargs)
@@ -86,6 +101,10 @@ class PyVisionGroup(TyperGroup):
 
 class PyVisionCommand(typer.core.TyperCommand):
     """A single Typer command with the same UserError handling."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _name_text_values(self.params)
 
     def make_context(self, *args: Any, **kwargs: Any) -> click.Context:
         return _parse_in_one_line(super().make_context, *args, **kwargs)

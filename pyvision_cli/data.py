@@ -9,7 +9,6 @@ import typer
 
 from pyvision_cli.common import (
     ConfigOpt,
-    ForceOpt,
     JsonOpt,
     RunIdOpt,
     SetOpt,
@@ -32,7 +31,7 @@ def synth(
     seed: Annotated[int, typer.Option(help="Seed (tasks are a function of seed, split, index).", min=0)] = 0,
     split: Annotated[Literal["train", "heldout"], typer.Option(help="Split (disjoint seed streams).")] = "train",
     families: Annotated[str | None, typer.Option(help="Comma-separated families [default: all but text].")] = None,
-    force: ForceOpt = False,
+    force: Annotated[bool, typer.Option("--force", help="Replace a finished set in --out.")] = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Verifiable synthetic tasks: visual search on large canvases, or short videos."""
@@ -83,7 +82,7 @@ def trajectories(
     limit: Annotated[int | None, typer.Option(help="Only the first N tasks.", min=1)] = None,
     config: ConfigOpt = None,
     set_: SetOpt = None,
-    force: ForceOpt = False,
+    force: Annotated[bool, typer.Option("--force", help="Replace finished trajectories in --out.")] = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Cold-start SFT trajectories: solver code executed in the real sandbox; wrong ones dropped."""
@@ -188,7 +187,7 @@ def prepare(
     set_: SetOpt = None,
     run_id: RunIdOpt = None,
     store: StoreOpt = None,
-    force: ForceOpt = False,
+    force: Annotated[bool, typer.Option("--force", help="Redo the data stage although it finished.")] = False,
     json_out: JsonOpt = False,
 ) -> None:
     """The recipe's data stage: synthetic sets, trajectories, base model, LLaMA-Factory export."""
