@@ -87,7 +87,7 @@ def lock_holder(message: str) -> str:
         raw = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return f"process {pid}"
-    command = " ".join(part.decode(errors="replace") for part in raw.split(b"\0") if part)
+    command = " ".join(" ".join(part.decode(errors="replace") for part in raw.split(b"\0")).split())
     return f"process {pid} ({command[:120]})" if command else f"process {pid}"
 
 
