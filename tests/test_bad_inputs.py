@@ -219,6 +219,8 @@ CASES: dict[str, Case] = {
     "trajectories-not-utf8": Case("data trajectories --tasks {i}/tasks-latin1 --out {i}/traj", ("tasks.jsonl:2", "not UTF-8")),
     "trajectories-missing-media": Case("data trajectories --tasks {i}/tasks-missing-media --out {i}/traj", ("tasks.jsonl:1", "nope.png")),
     "trajectories-out-is-file": Case("data trajectories --tasks {i}/tasks --out {i}/a-file", ("a-file", "is a file")),
+    "trajectories-decompression-bomb": Case("data trajectories --tasks {i}/tasks-bomb --out {i}/traj", ("bomb.png",)),
+    "agent-video-corrupt": Case(f"agent run {M_OK} --question q --video {{i}}/corrupt.png", ("corrupt.png",)),
     "trajectories-tasks-missing": Case("data trajectories --tasks {i}/nope --out {i}/traj", ("tasks file not found",)),
     "validate-strict-not-utf8": Case("data validate {i}/tasks-latin1 --strict", ("tasks.jsonl:2", "not UTF-8")),
     "validate-missing": Case("data validate {i}/nope", ("not found", "nope")),
@@ -253,6 +255,9 @@ CASES: dict[str, Case] = {
     "report-store-folder": Case("report --store {i}/store-dir", ("store-dir", "folder")),
     "report-store-not-duckdb": Case("report --format json --store {i}/not-duckdb.duckdb", ("not a DuckDB database",)),
     "report-unknown-format": Case("report --format pdf", ("'--format'", "pdf")),
+    "report-store-under-missing-folder": Case("report --store {i}/nope/s.duckdb", ("store not found", "nope")),
+    "score-run-not-in-store": Case("eval score --benchmark mathverse --run-id r --store {i}/nope/s.duckdb", ("'r'",)),
+    "run-store-is-folder": Case(f"run {TINY} --store {{i}}/store-dir", ("store-dir", "folder, not a DuckDB file")),
     "report-unknown-run": Case("report --run nope", ()),
     # command lines
     "unknown-command": Case("train", ("No such command 'train'",)),
@@ -370,3 +375,80 @@ def _store_with_a_run(path: Path) -> None:
     from pipelines.store import Store
 
     Store(path).upsert_run("demo", "demo")
+
+
+# -- odd but good inputs, empty stores, interrupted writers ----------------------------------------
+
+
+def test_a_utf8_bom_is_accepted_in_recipes_tasks_and_predictions(tmp_path: Path):
+    from tests.test_benchmarks import vsibench_rows
+
+    inp = tmp_path / "in"
+    make_inputs(inp)
+    bom = b"\xef\xbb\xbf"
+    recipe = inp / "bom.yaml"
+    recipe.write_bytes(bom + b"name: with-bom\nseed: 1\n")
+    from pipelines.config.recipe import load_recipe
+
+    assert load_recipe(recipe).name == "with-bom"
+    tasks = inp / "tasks" / "tasks.jsonl"
+    tasks.write_bytes(bom + tasks.read_bytes())
+    from pipelines.data.records import read_tasks
+
+    assert [t.id for t in read_tasks(tasks, strict=True)[0]] == ["t0", "t1"]
+    rows = "".join(json.dumps({**r, "prediction": r["ground_truth"]}) + "\n"
+                   for r in vsibench_rows()).encode()
+    plain, with_bom = inp / "plain.jsonl", inp / "bom.jsonl"
+    plain.write_bytes(rows)
+    with_bom.write_bytes(bom + rows)
+    scores = [runner.invoke(app, ["eval", "score", "--benchmark", "vsibench", "--predictions",
+                                  str(p), "--json"]) for p in (plain, with_bom)]
+    assert all(s.exit_code == 0 for s in scores), scores[1].output
+    assert json.loads(scores[0].stdout) == json.loads(scores[1].stdout)
+
+
+def test_an_empty_store_reports_nothing_in_every_format(tmp_path: Path):
+    from pipelines.store import Store
+
+    Store().migrate()  # exists, holds no run
+    for fmt in ("table", "json", "markdown", "html"):
+        result = runner.invoke(app, ["report", "--format", fmt, "--out", str(tmp_path / "rep")])
+        assert result.exit_code == 0, (fmt, result.output)
+    assert not (tmp_path / "rep").exists()
+
+
+def test_a_terminated_synth_leaves_no_temp_folder(tmp_path: Path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "s"
+    env = {**os.environ, "PYTHONPATH": str(RECIPES.parent.parent)}
+    proc = subprocess.Popen([sys.executable, "-m", "pyvision_cli.main", "data", "synth", "--kind",
+                             "image-search", "--n", "500", "--out", str(out)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob(".s.*.tmp/media/*")):  # writing has begun
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_temp_folder_of_a_killed_writer_goes_with_the_next_write(tmp_path: Path):
+    from pipelines.fsutil import atomic_dir
+
+    dead = tmp_path / ".out.999999999.abcd1234.tmp"  # no such pid
+    alive = tmp_path / f".out.{os.getpid()}.abcd1234.tmp"  # a writer still at work
+    other = tmp_path / ".other.999999999.abcd1234.tmp"
+    for folder in (dead, alive, other):
+        (folder / "media").mkdir(parents=True)
+    with atomic_dir(tmp_path / "out") as tmp:
+        (tmp / "x").write_text("done")
+    assert not dead.exists() and alive.is_dir() and other.is_dir()
+    assert (tmp_path / "out" / "x").read_text() == "done"
+    with pytest.raises(RuntimeError), atomic_dir(tmp_path / "a" / "b" / "new"):
+        raise RuntimeError("failed half way")
+    assert not (tmp_path / "a").exists()  # the folders made for it go too

@@ -86,6 +86,9 @@ def resize_for_context(image: Any, min_pixels: int, max_pixels: int) -> Any:
 def video_info(path: Path) -> dict[str, Any]:
     try:
         import decord
+        import decord.logging
+
+        decord.logging.set_level(decord.logging.QUIET)  # its errors come back as one line
 
         reader = decord.VideoReader(str(path))
         height, width = reader[0].shape[:2]

@@ -494,6 +494,9 @@ def _video_bytes(name: str, value: Any) -> tuple[bytes, str]:
         raise DataError(f"video for {name} not found: {path}", hint="check the task's media paths")
     try:
         import decord
+        import decord.logging
+
+        decord.logging.set_level(decord.logging.QUIET)  # its errors come back as one line
 
         reader = decord.VideoReader(str(path))
         if len(reader) == 0:
