@@ -318,6 +318,29 @@ def test_report_reads_through_one_connection(tmp_path, monkeypatch):
     opened = []
     real_open = Store._open
     monkeypatch.setattr(Store, "_open", lambda self: opened.append(1) or real_open(self))
+    import contextlib
+
+    reading, rendered = [], []
+    real_session = Store.session
+
+    @contextlib.contextmanager
+    def session(self):
+        with real_session(self):
+            reading.append(1)
+            try:
+                yield self
+            finally:
+                reading.pop()
+
+    monkeypatch.setattr(Store, "session", session)
+
+    def plots_with_the_lock_let_go(data, out):  # matplotlib is slow and beside the point here
+        rendered.append(not reading)
+        return {}
+
+    import pipelines.report
+
+    monkeypatch.setattr(pipelines.report, "make_plots", plots_with_the_lock_let_go)
     for fmt in ("json", "table", "html"):
         opened.clear()
         result = CliRunner().invoke(app, ["--format", fmt, "--out", str(tmp_path / "rep")])
@@ -326,3 +349,4 @@ def test_report_reads_through_one_connection(tmp_path, monkeypatch):
         # see whether there is anything to write): the lock is taken briefly, a few times, and
         # let go before any rendering. It used to be taken once per query.
         assert len(opened) == (3 if fmt == "html" else 2), (fmt, len(opened))
+    assert rendered == [True]  # html rendered after the reads let the store go
