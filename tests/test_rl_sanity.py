@@ -163,3 +163,36 @@ def test_fixed_batch_check_fails_when_the_advantage_sign_is_flipped(tiny_model_d
     result = _fixed_batch(tiny_model_dir, items, monkeypatch, -1.0)
     assert result["delta"] < -0.05 and result["delta_ci95"][1] < 0, result
 
+
+def test_trainer_log_probs_use_the_3d_positions_the_processor_gives(tiny_model_dir):
+    # LLaMA-Factory, verl and vLLM place image tokens with 3-D (mRoPE) positions; a forward pass
+    # without the token types silently uses 1-D ones. The trainer must see what SFT trained.
+    from PIL import Image
+
+    from pipelines.rl.local_utils import TokenSequence, sequence_logprobs
+
+    recipe = load_recipe(None, DEMO)
+    model, processor = load_policy_model(recipe, str(tiny_model_dir))
+    torch.manual_seed(0)
+    with torch.no_grad():  # the nano model's position signal is faint until its weights are larger
+        for p in model.parameters():
+            p.mul_(8.0)
+    image = Image.new("RGB", (224, 168), (200, 60, 40))
+    text = processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Colour?"}]},
+         {"role": "assistant", "content": "It is red."}], tokenize=False)
+    enc = processor(text=[text], images=[image], return_tensors="pt")
+    assert "mm_token_type_ids" in enc
+    ids = enc["input_ids"][0].tolist()
+    prompt_len = len(ids) - 6
+    seq = TokenSequence(ids, [1] * (len(ids) - prompt_len), prompt_len, [image])
+    with torch.no_grad():
+        ours, _, _ = sequence_logprobs(model, processor, [seq])
+        reference = torch.log_softmax(model(**enc).logits[0].float(), -1)
+        flat = {k: v for k, v in enc.items() if k != "mm_token_type_ids"}
+        one_d = torch.log_softmax(model(**flat).logits[0].float(), -1)
+    targets = torch.tensor(ids[prompt_len:])
+    want = reference[prompt_len - 1: -1].gather(-1, targets[:, None])[:, 0]
+    wrong = one_d[prompt_len - 1: -1].gather(-1, targets[:, None])[:, 0]
+    assert (want - wrong).abs().max() > 1e-3  # the two position schemes do differ here
+    assert torch.allclose(ours[0], want, atol=1e-4), (ours[0], want)

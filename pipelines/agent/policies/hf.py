@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from pipelines.agent.policies.base import Generation, Sampling
-from pipelines.agent.policies.tokens import ChatTokens, TokenContext
+from pipelines.agent.policies.tokens import ChatTokens, TokenContext, mm_token_type_ids
 from pipelines.agent.protocol import CODE_STOP
 from pipelines.agent.trajectory import TokenTrace
 
@@ -103,6 +103,7 @@ class HFPolicy:
         if pix:
             kwargs["pixel_values"] = torch.cat(pix).to(device)
             kwargs["image_grid_thw"] = torch.cat([g for h in handles for g in h.grids]).to(device)
+            kwargs["mm_token_type_ids"] = mm_token_type_ids(ids, self.model.config).to(device)
         do_sample = sampling.temperature > 0
         sample_kwargs = {"temperature": sampling.temperature, "top_p": sampling.top_p,
                          "top_k": 0} if do_sample else {}
