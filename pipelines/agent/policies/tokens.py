@@ -77,6 +77,16 @@ class ChatTokens:
         self.image_token_id = image_token_id or getattr(processor, "image_token_id", None) or \
             tok.convert_tokens_to_ids("<|image_pad|>")
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else self.im_end
+        self._closing: set[int] | None = None  # ids whose token text holds ">"
+
+    def ends_turn(self, tokens: list[int]) -> bool:
+        """Whether a turn's tokens so far end with the code stop ``</code>`` (checked by decoding
+        the tail only after a token that can close it)."""
+        if self._closing is None:
+            pieces = self.tokenizer.convert_ids_to_tokens(list(range(len(self.tokenizer))))
+            self._closing = {i for i, p in enumerate(pieces) if p and ">" in p}
+        return bool(tokens) and tokens[-1] in self._closing and \
+            CODE_STOP in self.tokenizer.decode(tokens[-8:], skip_special_tokens=False)
 
     @property
     def processor_kwargs(self) -> dict[str, int]:
