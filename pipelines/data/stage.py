@@ -43,6 +43,29 @@ def subset_tasks(tasks: list[Task], src_root: Path, dst_dir: Path) -> Path:
     return write_tasks(dst_dir / "tasks.jsonl", moved)
 
 
+def tiny_base(recipe: Recipe, model_dir: Path, conversations: list, sd: StageDir) -> None:
+    """The run's tiny base model, as ``model.tiny.init`` says: the shipped pretrained base, one
+    pretrained here, or random weights with a tokenizer fitted to the run's trajectories."""
+    tiny = recipe.model.tiny
+    assert tiny is not None
+    if tiny.init == "pretrained":
+        from pipelines.models.pretrain import copy_shipped_base
+
+        copy_shipped_base(tiny.size, model_dir)
+    elif tiny.init == "pretrain":
+        from pipelines.models.pretrain import pretrain
+
+        pretrain(recipe.model.pretrain, size=tiny.size, seed=tiny.seed, out=model_dir,
+                 work=sd.path / "pretrain", store=sd.store, run_id=sd.run_id, resume=True)
+    else:
+        from pipelines.models.tiny import build_tiny_model
+
+        corpus = [m.content for _, convs in conversations for c in convs for m in c.messages]
+        with err.status(f"building tiny Qwen2.5-VL ({tiny.size})"):
+            build_tiny_model(model_dir, size=tiny.size, seed=tiny.seed, extra_corpus=corpus,
+                             force=True)
+
+
 def run_data_stage(recipe: Recipe, sd: StageDir, *, show_progress: bool = True) -> dict[str, Any]:
     from pipelines.data.export_llamafactory import export_llamafactory
     from pipelines.data.synth import synthesize
@@ -113,12 +136,7 @@ def run_data_stage(recipe: Recipe, sd: StageDir, *, show_progress: bool = True) 
     if recipe.model.tiny is not None:
         model_dir = root / "base-model"
         if not (model_dir / "config.json").is_file():
-            from pipelines.models.tiny import build_tiny_model
-
-            corpus = [m.content for _, convs in conversations for c in convs for m in c.messages]
-            with err.status(f"building tiny Qwen2.5-VL ({recipe.model.tiny.size})"):
-                build_tiny_model(model_dir, size=recipe.model.tiny.size,
-                                 seed=recipe.model.tiny.seed, extra_corpus=corpus, force=True)
+            tiny_base(recipe, model_dir, conversations, sd)
         outputs["base_model"] = str(model_dir)
     else:
         outputs["base_model"] = recipe.model.base
