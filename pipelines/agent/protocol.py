@@ -96,6 +96,13 @@ def truncate_at_code_stop(text: str) -> str:
     return text if i < 0 else text[: i + len(CODE_STOP)]
 
 
+def stopped_inside_code(text: str) -> bool:
+    """True when ``text`` ends inside an open ``<code>`` block with no answer after it: what a
+    turn looks like when a server stopped at ``</code>`` and dropped the stop string."""
+    start = text.rfind("<code>")
+    return start >= 0 and CODE_STOP not in text[start:] and "<answer>" not in text[start:]
+
+
 def parse_turn(text: str) -> ParsedTurn:
     answer, raw = extract_answer(text)
     if answer is not None:

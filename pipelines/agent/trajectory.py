@@ -72,6 +72,7 @@ class Trajectory:
     total_s: float = 0.0
     sample_index: int = 0                 # rollout number within its group
     group_index: int = 0                  # position of the task in the request
+    request_usage: dict[str, float] | None = None  # remote policies: tokens billed, cost if reported
     images: list[Any] = field(default_factory=list, repr=False)  # PIL: prompt images, then figures
     trace: TokenTrace | None = field(default=None, repr=False)
 
