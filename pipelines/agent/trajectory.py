@@ -112,6 +112,25 @@ class Trajectory:
         (out / "trajectory.json").write_text(json.dumps(data, indent=2, default=str) + "\n")
         return out / "trajectory.json"
 
+    @classmethod
+    def load(cls, directory: str | Path, *, images: bool = True) -> Trajectory:
+        """The trajectory :meth:`save` wrote into ``directory`` (with ``images``, opened from its
+        PNGs; never the token trace)."""
+        from PIL import Image
+
+        root = Path(directory)
+        data = json.loads((root / "trajectory.json").read_text(encoding="utf-8"))
+        names = {f.name for f in fields(cls)} - {"images", "trace", "turns"}
+        traj = cls(**{k: v for k, v in data.items() if k in names})
+        for t in data.get("turns", []):
+            result = ToolResult(**t["result"]) if t.get("result") else None
+            traj.turns.append(Turn(**{**t, "result": result}))
+        for name in data.get("image_files", []) if images else []:
+            with Image.open(root / name) as img:
+                img.load()
+                traj.images.append(img.convert("RGB"))
+        return traj
+
     def to_conversation(self, conv_id: str, media_dir: Path, rel_prefix: str = "") -> Conversation:
         """The trajectory as an SFT conversation; images are written to ``media_dir`` as PNG.
 

@@ -18,10 +18,13 @@ class ClientConfig(Section):
     server: ServerKind = "auto"
     """Which server answers, which decides the fields beyond the OpenAI API a request carries:
     `vllm` (`include_stop_str_in_output`, `skip_special_tokens`), `sglang` (`no_stop_trim`,
-    `skip_special_tokens`), `transformers` and `openai` (the standard fields only; hosted APIs
-    reject unknown ones). `auto` asks the server's `/v1/models` (vLLM and SGLang name
-    themselves there) and sends only standard fields to anything else; a server that rejects a
-    server-specific field anyway is asked again without it, once, with a warning."""
+    `skip_special_tokens`), `openai` (the standard fields only; hosted APIs reject unknown ones),
+    `transformers` (standard fields and no stop strings: `transformers serve` fails on them for
+    vision models; turns are cut at `</code>` client-side). `auto` asks the server's
+    `/v1/models` (vLLM and SGLang name themselves there) and sends only standard fields to
+    anything else; a server that rejects a server-specific field is asked again without it, and
+    one that fails on stop strings (HTTP 500) but not without them gets none, each once with a
+    warning."""
 
     timeout_s: float = Field(300.0, gt=0.0, le=3600.0)
     """Per-request timeout in seconds (one assistant turn must fit in it)."""

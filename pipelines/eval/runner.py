@@ -105,8 +105,10 @@ ENDPOINT_HINT = ("start it (e.g. `vllm serve MODEL --port 8000`) and pass its UR
                  "pass a local model folder")
 
 
-def check_endpoint(url: str, timeout_s: float = 10.0) -> None:
-    """Any HTTP answer from ``url`` counts as reachable; no answer at all is an EndpointError."""
+def check_endpoint(url: str, timeout_s: float = 10.0, *, what: str = "model server",
+                   hint: str = ENDPOINT_HINT) -> None:
+    """Any HTTP answer from ``url`` counts as reachable; no answer at all is an EndpointError
+    naming ``what`` with ``hint``."""
     import httpx
 
     base = url.rstrip("/")
@@ -115,9 +117,8 @@ def check_endpoint(url: str, timeout_s: float = 10.0) -> None:
     try:
         httpx.get(f"{base}/models", timeout=timeout_s)
     except (httpx.HTTPError, httpx.InvalidURL) as exc:
-        raise EndpointError(f"model server {url} does not answer ({type(exc).__name__}: "
-                            f"{str(exc)[:160]})",
-                            hint=ENDPOINT_HINT) from None
+        raise EndpointError(f"{what} {url} does not answer ({type(exc).__name__}: "
+                            f"{str(exc)[:160]})", hint=hint) from None
 
 
 def run_eval(recipe: Recipe, *, model: str, model_tag: str, benchmarks: list[str], run_id: str,

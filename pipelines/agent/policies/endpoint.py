@@ -6,7 +6,11 @@ only when asked (``include_stop_str_in_output``), SGLang under another name (``n
 :class:`ChatClient` therefore sends server-specific fields only to the server they belong to: the
 ``server`` setting names it, or ``auto`` asks ``/v1/models`` once (vLLM and SGLang say who they are
 in ``owned_by``) and sends standard fields to anything else. A server that still rejects one of
-those fields is asked again without them, once, with a warning.
+those fields is asked again without them, once, with a warning. ``transformers serve`` (5.x) fails
+with HTTP 500 on stop strings for vision models (its stop criterion wants a tokenizer and gets the
+processor); a server that fails on a request with ``stop`` and answers the same request without it
+gets no stop strings from then on (with a warning), and the policy cuts each turn at
+``</code>`` itself.
 
 Failures are one line that says what happened, in the server's own words where it gave any:
 
@@ -154,6 +158,8 @@ class ChatClient:
         self.api_key = os.environ.get(self.cfg.api_key_env, "EMPTY")
         self._server: str | None = None if self.cfg.server == "auto" else self.cfg.server
         self._dropped_extras = False
+        self._stop_ok = False       # a request with stop strings succeeded here
+        self._stop_fails = self._server == "transformers"  # send no stop strings
         self._http = httpx.Client(timeout=self.cfg.timeout_s, limits=httpx.Limits(
             max_connections=max(8, max_connections), max_keepalive_connections=max(8, max_connections)))
         self._lock = threading.Lock()
@@ -221,12 +227,14 @@ class ChatClient:
         import httpx
 
         tries = self.cfg.max_retries + 1
-        attempt, last, malformed = 0, "", False
+        attempt, last, malformed, probe_without_stop = 0, "", False, False
         while True:
             if self._cancel.is_set():
                 raise Cancelled(f"{self.role} {self.url}: cancelled")
             extras = self.extra_fields()
             payload = {**body, **extras}
+            if self._stop_fails or probe_without_stop:
+                payload.pop("stop", None)
             fid = next(self._ids)
             with self._lock:
                 self._flights[fid] = time.monotonic()
@@ -255,7 +263,14 @@ class ChatClient:
                     else:
                         self._attempted(True)
                         self._count_usage(data)
+                        self._stop_worked(payload, probe_without_stop)
                         return result
+                elif status == 500 and "stop" in payload and not self._stop_ok:
+                    # Perhaps the server cannot honour stop strings (`transformers serve` with a
+                    # vision model fails on them): ask once more without, at once.
+                    last, malformed = f"HTTP {status}: {server_message(resp)}", False
+                    probe_without_stop = True
+                    continue
                 elif status in RETRY_STATUS:
                     last, malformed = f"HTTP {status}: {server_message(resp)}", False
                 else:
@@ -269,6 +284,7 @@ class ChatClient:
                 with self._lock:
                     self._flights.pop(fid, None)
             self._attempted(False)
+            probe_without_stop = False
             attempt += 1
             if attempt >= tries:
                 break
@@ -286,6 +302,19 @@ class ChatClient:
                                      "endpoint (vLLM, SGLang, `transformers serve`, a hosted API)")
         raise EndpointError(f"{self.role} {self.url} did not answer after {tries} tries: {last}",
                             hint=self.url_hint)
+
+    def _stop_worked(self, payload: dict[str, Any], probed: bool) -> None:
+        """Remember whether stop strings work here: a request without them that succeeded just
+        after one with them failed means the server cannot take them."""
+        if "stop" in payload:
+            self._stop_ok = True
+        elif probed and not self._stop_fails:
+            with self._lock:
+                first, self._stop_fails = not self._stop_fails, True
+            if first:
+                self._warn(f"{self.role} {self.url} fails on stop strings (HTTP 500) but answers "
+                           "without them; generating without and cutting each turn at the stop "
+                           "string (slower: each code turn runs on to its token limit)", force=True)
 
     def _attempted(self, ok: bool) -> None:
         if self._on_attempt is not None:
