@@ -238,3 +238,25 @@ def test_first_ctrl_c_stops_an_evaluation_and_keeps_finished_samples(tmp_path: P
     assert proc.returncode != 0 and "kept the 1 samples finished" in " ".join(err.split())
     assert [r["sample_id"] for r in Store(store).eval_records("cc")] and \
         len(Store(store).eval_records("cc")) == 1
+
+
+def test_a_server_failing_on_stop_strings_gets_none_and_turns_are_cut_here(
+        capsys: pytest.CaptureFixture) -> None:
+    """`transformers serve` with a vision model answers 500 to `stop`: the same request without
+    it is answered, so stop strings are dropped for good and the turn is cut at </code>."""
+
+    def respond(body: dict):
+        if "stop" in body:
+            return 500, {"detail": "Internal Server Error"}
+        return 200, chat_completion(CODE + "\n<interpreter>\nmade up\n</interpreter>",
+                                    finish="length")
+
+    with FakeOpenAI(respond) as server:
+        policy = OpenAIPolicy(server.url, "m", max_retries=2, **FAST)
+        gen, handle = _turn(policy)
+        _turn(policy)
+    assert gen.text == CODE and gen.finish == "code" and not policy.client.sends_stop
+    assert handle.messages[-1]["content"] == CODE
+    assert ["stop" in r for r in server.requests] == [True, False, False]
+    err = " ".join(capsys.readouterr().err.split())
+    assert err.count("fails on stop strings (HTTP 500)") == 1

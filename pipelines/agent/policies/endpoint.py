@@ -197,6 +197,11 @@ class ChatClient:
                 self._server = self._server or kind
         return self._server
 
+    @property
+    def sends_stop(self) -> bool:
+        """False once the server turned out to fail on stop strings (or is `transformers`)."""
+        return not self._stop_fails
+
     def extra_fields(self) -> dict[str, Any]:
         return {} if self._dropped_extras else dict(SERVER_FIELDS[self.server])
 
