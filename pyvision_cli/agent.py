@@ -27,7 +27,7 @@ def run(
     question: Annotated[str, typer.Option(help="The question to answer.")],
     image: Annotated[list[Path] | None, typer.Option(help="Input image(s): image_clue_0, ...")] = None,
     video: Annotated[Path | None, typer.Option(help="Input video: video_clue_0 (on-demand context).")] = None,
-    served_model: Annotated[str | None, typer.Option(help="Model name sent to a server URL [default: the one model the server lists].", show_default=False)] = None,
+    served_model: Annotated[str | None, typer.Option(help="Model name sent to a server URL (default: the one model the server lists).", show_default=False)] = None,
     max_turns: Annotated[int | None, typer.Option(help="Most assistant turns [default: agent.max_turns_eval].", min=1)] = None,
     temperature: Annotated[float | None, typer.Option(help="Sampling temperature [default: agent.eval_temperature].", min=0.0)] = None,
     out_dir: Annotated[Path | None, typer.Option(help="Folder for the trajectory and its images [default: a temp dir].")] = None,

@@ -100,13 +100,13 @@ def trajectories(
 
 @command(app)
 def distill(
-    teacher: Annotated[str | None, typer.Option(help="Teacher's OpenAI-compatible server URL (vLLM, SGLang, `transformers serve`, a hosted API) [default: data.distill.teacher].", show_default=False)] = None,
+    teacher: Annotated[str | None, typer.Option(help="Teacher's OpenAI-compatible server URL (vLLM, SGLang, `transformers serve`, a hosted API) (default: data.distill.teacher).", show_default=False)] = None,
     tasks: Annotated[list[Path] | None, typer.Option(help="Task folder (tasks.jsonl + media); repeatable.", show_default=False)] = None,
     out: Annotated[Path | None, typer.Option(help="Output folder: samples/, conversations.jsonl, media/, the LLaMA-Factory export, card.json / card.md.", show_default=False)] = None,
-    served_model: Annotated[str | None, typer.Option(help="Model name sent to the teacher [default: the one model it lists].", show_default=False)] = None,
-    k: Annotated[int | None, typer.Option("--k", help="Samples per task [default: data.distill.k].", show_default=False)] = None,
-    max_per_task: Annotated[int | None, typer.Option(help="Most kept per task [default: data.distill.max_per_task].", show_default=False)] = None,
-    concurrency: Annotated[int | None, typer.Option(help="Requests in flight [default: data.distill.concurrency].", show_default=False)] = None,
+    served_model: Annotated[str | None, typer.Option(help="Model name sent to the teacher (default: the one model it lists).", show_default=False)] = None,
+    k: Annotated[int | None, typer.Option("--k", help="Samples per task (default: data.distill.k).", show_default=False)] = None,
+    max_per_task: Annotated[int | None, typer.Option(help="Most kept per task (default: data.distill.max_per_task).", show_default=False)] = None,
+    concurrency: Annotated[int | None, typer.Option(help="Requests in flight (default: data.distill.concurrency).", show_default=False)] = None,
     limit: Annotated[int | None, typer.Option(help="Only the first N tasks.", min=1, show_default=False)] = None,
     config: ConfigOpt = None,
     set_: SetOpt = None,
