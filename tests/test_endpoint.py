@@ -260,3 +260,19 @@ def test_a_server_failing_on_stop_strings_gets_none_and_turns_are_cut_here(
     assert ["stop" in r for r in server.requests] == [True, False, False]
     err = " ".join(capsys.readouterr().err.split())
     assert err.count("fails on stop strings (HTTP 500)") == 1
+
+
+def test_a_model_wanting_max_completion_tokens_gets_it() -> None:
+    def respond(body: dict):
+        if "max_tokens" in body:
+            return 400, {"error": {"message": "Unsupported parameter: 'max_tokens' is not "
+                                              "supported with this model. Use "
+                                              "'max_completion_tokens' instead."}}
+        return 200, chat_completion("<answer>\n\\boxed{2}\n</answer>")
+
+    with FakeOpenAI(respond) as server:
+        policy = OpenAIPolicy(server.url, "o-model", **FAST)
+        gen, _ = _turn(policy)
+        _turn(policy)
+    assert "boxed{2}" in gen.text
+    assert [r.get("max_completion_tokens") for r in server.requests] == [None, 32, 32]

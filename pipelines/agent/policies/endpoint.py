@@ -10,7 +10,8 @@ those fields is asked again without them, once, with a warning. ``transformers s
 with HTTP 500 on stop strings for vision models (its stop criterion wants a tokenizer and gets the
 processor); a server that fails on a request with ``stop`` and answers the same request without it
 gets no stop strings from then on (with a warning), and the policy cuts each turn at
-``</code>`` itself.
+``</code>`` itself. A hosted model that wants ``max_completion_tokens`` instead of
+``max_tokens`` (HTTP 400 naming it) gets it.
 
 Failures are one line that says what happened, in the server's own words where it gave any:
 
@@ -159,6 +160,7 @@ class ChatClient:
         self._server: str | None = None if self.cfg.server == "auto" else self.cfg.server
         self._dropped_extras = False
         self._stop_ok = False       # a request with stop strings succeeded here
+        self._completion_tokens = False  # send max_completion_tokens instead of max_tokens
         self._stop_fails = self._server == "transformers"  # send no stop strings
         self._http = httpx.Client(timeout=self.cfg.timeout_s, limits=httpx.Limits(
             max_connections=max(8, max_connections), max_keepalive_connections=max(8, max_connections)))
@@ -240,6 +242,8 @@ class ChatClient:
             payload = {**body, **extras}
             if self._stop_fails or probe_without_stop:
                 payload.pop("stop", None)
+            if self._completion_tokens and "max_tokens" in payload:
+                payload["max_completion_tokens"] = payload.pop("max_tokens")
             fid = next(self._ids)
             with self._lock:
                 self._flights[fid] = time.monotonic()
@@ -282,6 +286,11 @@ class ChatClient:
                     message = server_message(resp)
                     if extras and status in (400, 422) and self._names_extra(message, extras):
                         self._drop_extras(message)
+                        continue
+                    if (status == 400 and "max_completion_tokens" in message
+                            and "max_tokens" in payload and not self._completion_tokens):
+                        # OpenAI's reasoning models take the limit under its newer name.
+                        self._completion_tokens = True
                         continue
                     self._attempted(False)
                     raise self._rejected(status, message, body)
