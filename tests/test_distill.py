@@ -310,3 +310,49 @@ def test_the_data_stage_mixes_distilled_and_scripted_data(tasks_dir: Path, tmp_p
     rows = (Path(result["outputs"]["sft_dataset_dir"]) / "pyvision_sft.jsonl").read_text()
     assert len(rows.splitlines()) == summary["image-search/trajectories_kept"] + 2
     assert rows.count("The code printed 300.") + rows.count("The code printed 240.") == 2
+
+
+def test_first_ctrl_c_stops_a_distillation_keeping_finished_samples(tasks_dir: Path,
+                                                                    tmp_path: Path) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    hang = threading.Event()
+    answered = []
+
+    def respond(body: dict):
+        if len(answered) >= 2:
+            hang.wait(120)
+        answered.append(1)
+        return 200, chat_completion("<answer>\n\\boxed{300}\n</answer>")
+
+    server = FakeOpenAI(respond, threaded=True)
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
+           "PYVISION_STORE": str(tmp_path / "s.duckdb")}
+    proc = subprocess.Popen([sys.executable, "-m", "pyvision_cli.main", "data", "distill",
+                             "--teacher", server.url, "--tasks", str(tasks_dir), "--out", str(out),
+                             "--k", "1", "--concurrency", "1", "--set",
+                             "agent.image_max_pixels=12544"], env=env, cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(server.requests) < 3 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.1)
+        assert len(server.requests) == 3, proc.communicate(timeout=5)
+        proc.send_signal(signal.SIGINT)
+        start = time.monotonic()
+        _out, err = proc.communicate(timeout=20)
+        stopped_in = time.monotonic() - start
+    finally:
+        hang.set()
+        if proc.poll() is None:
+            proc.kill()
+        server.close()
+    assert stopped_in < 5, err
+    assert "the 2 samples drawn in this run are kept" in " ".join(err.split())
+    index = (out / "samples" / "index.jsonl").read_text().splitlines()
+    assert len(index) == 2 and not (out / "manifest.json").exists()
