@@ -257,7 +257,7 @@ def test_a_server_failing_on_stop_strings_gets_none_and_turns_are_cut_here(
         _turn(policy)
     assert gen.text == CODE and gen.finish == "code" and not policy.client.sends_stop
     assert handle.messages[-1]["content"] == CODE
-    assert ["stop" in r for r in server.requests] == [True, False, False]
+    assert ["stop" in r for r in server.requests] == [True, True, False, False]
     err = " ".join(capsys.readouterr().err.split())
     assert err.count("fails on stop strings (HTTP 500)") == 1
 

@@ -8,9 +8,9 @@ only when asked (``include_stop_str_in_output``), SGLang under another name (``n
 in ``owned_by``) and sends standard fields to anything else. A server that still rejects one of
 those fields is asked again without them, once, with a warning. ``transformers serve`` (5.x) fails
 with HTTP 500 on stop strings for vision models (its stop criterion wants a tokenizer and gets the
-processor); a server that fails on a request with ``stop`` and answers the same request without it
-gets no stop strings from then on (with a warning), and the policy cuts each turn at
-``</code>`` itself. A hosted model that wants ``max_completion_tokens`` instead of
+processor); a server other than vLLM and SGLang that fails twice on a request with ``stop`` and
+answers the same request without it gets no stop strings from then on (with a warning), and the
+policy cuts each turn at ``</code>`` itself. A hosted model that wants ``max_completion_tokens`` instead of
 ``max_tokens`` (HTTP 400 naming it) gets it.
 
 Failures are one line that says what happened, in the server's own words where it gave any:
@@ -234,7 +234,7 @@ class ChatClient:
         import httpx
 
         tries = self.cfg.max_retries + 1
-        attempt, last, malformed, probe_without_stop = 0, "", False, False
+        attempt, last, malformed, probe_without_stop, stop_500s = 0, "", False, False, 0
         while True:
             if self._cancel.is_set():
                 raise Cancelled(f"{self.role} {self.url}: cancelled")
@@ -274,14 +274,17 @@ class ChatClient:
                         self._count_usage(data)
                         self._stop_worked(payload, probe_without_stop)
                         return result
-                elif status == 500 and "stop" in payload and not self._stop_ok:
-                    # Perhaps the server cannot honour stop strings (`transformers serve` with a
-                    # vision model fails on them): ask once more without, at once.
+                elif (status == 500 and "stop" in payload and not self._stop_ok
+                      and stop_500s >= 1 and self.server not in ("vllm", "sglang")):
+                    # A second 500 for this request with stop strings: perhaps the server cannot
+                    # honour them (`transformers serve` with a vision model fails on them). Ask
+                    # once more without, at once; a transient 500 rarely comes twice.
                     last, malformed = f"HTTP {status}: {server_message(resp)}", False
                     probe_without_stop = True
                     continue
                 elif status in RETRY_STATUS:
                     last, malformed = f"HTTP {status}: {server_message(resp)}", False
+                    stop_500s += int(status == 500 and "stop" in payload)
                 else:
                     message = server_message(resp)
                     if extras and status in (400, 422) and self._names_extra(message, extras):
