@@ -544,7 +544,8 @@ def card_markdown(card: dict[str, Any]) -> str:
     lines += ["", "## Kept trajectories", "",
               f"- Turns: {kept['turns'] or '-'} (mean {kept['mean_turns'] or '-'})",
               f"- Tool calls: {kept['tool_calls'] or '-'} (mean {kept['mean_tool_calls'] or '-'})",
-              (f"- Visual tokens: {kept['visual_tokens']} (mean {kept['mean_visual_tokens'] or '-'}); "
+              (f"- Visual tokens: {kept['visual_tokens']} "
+               f"(mean {kept['mean_visual_tokens'] or '-'}); "
               f"images: {kept['images']}"), "", "## Teacher usage", ""]
     usage = card["usage"]
     lines.append("- " + (", ".join(f"{k.replace('_', ' ')}: {v}" for k, v in usage.items())

@@ -10,8 +10,8 @@ those fields is asked again without them, once, with a warning. ``transformers s
 with HTTP 500 on stop strings for vision models (its stop criterion wants a tokenizer and gets the
 processor); a server other than vLLM and SGLang that fails twice on a request with ``stop`` and
 answers the same request without it gets no stop strings from then on (with a warning), and the
-policy cuts each turn at ``</code>`` itself. A hosted model that wants ``max_completion_tokens`` instead of
-``max_tokens`` (HTTP 400 naming it) gets it.
+policy cuts each turn at ``</code>`` itself. A hosted model that wants
+``max_completion_tokens`` instead of ``max_tokens`` (HTTP 400 naming it) gets it.
 
 Failures are one line that says what happened, in the server's own words where it gave any:
 
@@ -162,8 +162,9 @@ class ChatClient:
         self._stop_ok = False       # a request with stop strings succeeded here
         self._completion_tokens = False  # send max_completion_tokens instead of max_tokens
         self._stop_fails = self._server == "transformers"  # send no stop strings
+        pool = max(8, max_connections)
         self._http = httpx.Client(timeout=self.cfg.timeout_s, limits=httpx.Limits(
-            max_connections=max(8, max_connections), max_keepalive_connections=max(8, max_connections)))
+            max_connections=pool, max_keepalive_connections=pool))
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._flights: dict[int, float] = {}

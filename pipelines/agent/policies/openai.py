@@ -1,4 +1,5 @@
-"""Any OpenAI-compatible chat endpoint (vLLM, SGLang, `transformers serve`, hosted APIs) as a policy.
+"""Any OpenAI-compatible chat endpoint (vLLM, SGLang, `transformers serve`, hosted APIs) as a
+policy.
 
 Images travel as base64 PNG data URLs. Generation stops at ``</code>``. vLLM and SGLang keep the
 stop string when asked (the fields :mod:`~pipelines.agent.policies.endpoint` sends them); other
