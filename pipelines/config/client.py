@@ -23,8 +23,8 @@ class ClientConfig(Section):
     vision models; turns are cut at `</code>` client-side). `auto` asks the server's
     `/v1/models` (vLLM and SGLang name themselves there) and sends only standard fields to
     anything else; a server that rejects a server-specific field is asked again without it, and
-    one that fails twice on stop strings (HTTP 500) but not without them gets none, each once
-    with a warning."""
+    one that fails twice on stop strings (HTTP 500, a dropped connection) but not without them
+    gets none, each once with a warning."""
 
     timeout_s: float = Field(300.0, gt=0.0, le=3600.0)
     """Per-request timeout in seconds (one assistant turn must fit in it)."""

@@ -6,12 +6,13 @@ only when asked (``include_stop_str_in_output``), SGLang under another name (``n
 :class:`ChatClient` therefore sends server-specific fields only to the server they belong to: the
 ``server`` setting names it, or ``auto`` asks ``/v1/models`` once (vLLM and SGLang say who they are
 in ``owned_by``) and sends standard fields to anything else. A server that still rejects one of
-those fields is asked again without them, once, with a warning. ``transformers serve`` (5.x) fails
-with HTTP 500 on stop strings for vision models (its stop criterion wants a tokenizer and gets the
-processor); a server other than vLLM and SGLang that fails twice on a request with ``stop`` and
-answers the same request without it gets no stop strings from then on (with a warning), and the
-policy cuts each turn at ``</code>`` itself. A hosted model that wants
-``max_completion_tokens`` instead of ``max_tokens`` (HTTP 400 naming it) gets it.
+those fields is asked again without them, once, with a warning. ``transformers serve`` (5.x)
+fails on stop strings for vision models (its stop criterion wants a tokenizer and gets the
+processor; it answers 500, then drops the kept-alive connection): a server other than vLLM and
+SGLang that answers 500 twice to a request with ``stop`` and answers the same request without it
+gets no stop strings from then on (with a warning), and the policy cuts each turn at ``</code>``
+itself. After a 5xx or a dropped connection, later requests open new connections. A hosted model
+that wants ``max_completion_tokens`` instead of ``max_tokens`` (HTTP 400 naming it) gets it.
 
 Failures are one line that says what happened, in the server's own words where it gave any:
 
@@ -151,7 +152,6 @@ class ChatClient:
                  model_hint: str = "pass the served model's name",
                  max_connections: int = 64, warn: bool = True,
                  on_attempt: Callable[[bool], None] | None = None) -> None:
-        import httpx
 
         self.cfg = cfg or ClientConfig()
         self.url = v1_url(base_url)
@@ -162,9 +162,9 @@ class ChatClient:
         self._stop_ok = False       # a request with stop strings succeeded here
         self._completion_tokens = False  # send max_completion_tokens instead of max_tokens
         self._stop_fails = self._server == "transformers"  # send no stop strings
-        pool = max(8, max_connections)
-        self._http = httpx.Client(timeout=self.cfg.timeout_s, limits=httpx.Limits(
-            max_connections=pool, max_keepalive_connections=pool))
+        self._pool_size = max(8, max_connections)
+        self._http = self._new_http()
+        self._retired: list[Any] = []
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._flights: dict[int, float] = {}
@@ -175,6 +175,21 @@ class ChatClient:
         self._on_attempt = on_attempt
         self.usage = {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0, "cost": 0.0,
                       "cost_reported": 0}
+
+    def _new_http(self) -> Any:
+        import httpx
+
+        return httpx.Client(timeout=self.cfg.timeout_s, limits=httpx.Limits(
+            max_connections=self._pool_size, max_keepalive_connections=self._pool_size))
+
+    def _fresh_connections(self, used: Any) -> None:
+        """After a server error or a dropped connection, later requests open new connections:
+        a server may close a kept-alive connection after a 500 (uvicorn does), and the next
+        request sent on it would fail for nothing. Requests in flight finish on the old ones."""
+        with self._lock:
+            if self._http is used and not self._cancel.is_set():
+                self._retired.append(self._http)
+                self._http = self._new_http()
 
     # -- the server --------------------------------------------------------------------------
 
@@ -235,7 +250,9 @@ class ChatClient:
         import httpx
 
         tries = self.cfg.max_retries + 1
-        attempt, last, malformed, probe_without_stop, stop_500s = 0, "", False, False, 0
+        attempt, last, malformed = 0, "", False
+        probe_without_stop = probed = False
+        stop_failures = 0  # HTTP 500 answers to this request with stop strings
         while True:
             if self._cancel.is_set():
                 raise Cancelled(f"{self.role} {self.url}: cancelled")
@@ -248,9 +265,10 @@ class ChatClient:
             fid = next(self._ids)
             with self._lock:
                 self._flights[fid] = time.monotonic()
+            http = self._http
             try:
-                resp = self._http.post(f"{self.url}/chat/completions", json=payload,
-                                       headers=self._headers())
+                resp = http.post(f"{self.url}/chat/completions", json=payload,
+                                 headers=self._headers())
             except httpx.TimeoutException:
                 last, malformed = f"no answer within {self.cfg.timeout_s:g} s", False
             except (httpx.HTTPError, RuntimeError) as exc:
@@ -260,6 +278,8 @@ class ChatClient:
                 if not isinstance(exc, httpx.HTTPError):
                     raise
                 last, malformed = f"{type(exc).__name__}: {str(exc)[:160]}", False
+                if isinstance(exc, (httpx.ReadError, httpx.RemoteProtocolError)):
+                    self._fresh_connections(http)
             else:
                 status = resp.status_code
                 if status == 200:
@@ -275,17 +295,11 @@ class ChatClient:
                         self._count_usage(data)
                         self._stop_worked(payload, probe_without_stop)
                         return result
-                elif (status == 500 and "stop" in payload and not self._stop_ok
-                      and stop_500s >= 1 and self.server not in ("vllm", "sglang")):
-                    # A second 500 for this request with stop strings: perhaps the server cannot
-                    # honour them (`transformers serve` with a vision model fails on them). Ask
-                    # once more without, at once; a transient 500 rarely comes twice.
-                    last, malformed = f"HTTP {status}: {server_message(resp)}", False
-                    probe_without_stop = True
-                    continue
                 elif status in RETRY_STATUS:
                     last, malformed = f"HTTP {status}: {server_message(resp)}", False
-                    stop_500s += int(status == 500 and "stop" in payload)
+                    stop_failures += int(status == 500 and "stop" in payload)
+                    if status >= 500:
+                        self._fresh_connections(http)
                 else:
                     message = server_message(resp)
                     if extras and status in (400, 422) and self._names_extra(message, extras):
@@ -301,6 +315,13 @@ class ChatClient:
             finally:
                 with self._lock:
                     self._flights.pop(fid, None)
+            if (stop_failures >= 2 and not probed and "stop" in payload and not self._stop_ok
+                    and self.server not in ("vllm", "sglang")):
+                # Twice a 500 for this request with stop strings: perhaps the server cannot
+                # honour them (`transformers serve` with a vision model fails on them). Ask once
+                # without, at once; a transient 500 rarely comes twice.
+                probed = probe_without_stop = True
+                continue
             self._attempted(False)
             probe_without_stop = False
             attempt += 1
@@ -330,7 +351,7 @@ class ChatClient:
             with self._lock:
                 first, self._stop_fails = not self._stop_fails, True
             if first:
-                self._warn(f"{self.role} {self.url} fails on stop strings (HTTP 500) but answers "
+                self._warn(f"{self.role} {self.url} fails on stop strings but answers "
                            "without them; generating without and cutting each turn at the stop "
                            "string (slower: each code turn runs on to its token limit)", force=True)
 
@@ -427,4 +448,7 @@ class ChatClient:
     def close(self) -> None:
         """Stop waiting: requests still retrying give up, the connections close."""
         self._cancel.set()
-        self._http.close()
+        with self._lock:
+            clients, self._retired = [self._http, *self._retired], []
+        for client in clients:
+            client.close()
