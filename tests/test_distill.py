@@ -345,14 +345,15 @@ def test_first_ctrl_c_stops_a_distillation_keeping_finished_samples(tasks_dir: P
         assert len(server.requests) == 3, proc.communicate(timeout=5)
         proc.send_signal(signal.SIGINT)
         start = time.monotonic()
-        _out, err = proc.communicate(timeout=20)
+        _out, err = proc.communicate(timeout=40)
         stopped_in = time.monotonic() - start
     finally:
         hang.set()
         if proc.poll() is None:
             proc.kill()
         server.close()
-    assert stopped_in < 5, err
+    # Seconds (interpreter shutdown on a loaded machine), not the hung request's 120 s.
+    assert stopped_in < 20, err
     assert "the 2 samples drawn in this run are kept" in " ".join(err.split())
     index = (out / "samples" / "index.jsonl").read_text().splitlines()
     assert len(index) == 2 and not (out / "manifest.json").exists()

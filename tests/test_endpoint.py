@@ -227,14 +227,15 @@ def test_first_ctrl_c_stops_an_evaluation_and_keeps_finished_samples(tmp_path: P
         time.sleep(0.5)
         proc.send_signal(signal.SIGINT)
         start = time.monotonic()
-        _out, err = proc.communicate(timeout=20)
+        _out, err = proc.communicate(timeout=40)
         stopped_in = time.monotonic() - start
     finally:
         hang.set()
         if proc.poll() is None:
             proc.kill()
         server.close()
-    assert stopped_in < 5, err
+    # Seconds (interpreter shutdown on a loaded machine), not the hung request's 120 s.
+    assert stopped_in < 20, err
     assert proc.returncode != 0 and "kept the 1 samples finished" in " ".join(err.split())
     assert [r["sample_id"] for r in Store(store).eval_records("cc")] and \
         len(Store(store).eval_records("cc")) == 1
