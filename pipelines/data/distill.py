@@ -63,7 +63,8 @@ DATASET_NAME = "pyvision_distill"
 INDEX = "index.jsonl"
 SETTINGS = "settings.json"
 TEACHER_HINT = ("start it (e.g. `vllm serve Qwen/Qwen2.5-VL-72B-Instruct --port 8000`, or "
-                "`transformers serve MODEL --port 8000`) and pass its URL to --teacher")
+                "`transformers serve MODEL --port 8000`) and pass its URL to --teacher (in a "
+                "recipe: data.distill.teacher)")
 
 
 # -- verification ------------------------------------------------------------------------------
