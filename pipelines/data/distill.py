@@ -321,6 +321,9 @@ def distill(recipe: Recipe, task_dirs: list[str | Path], out: str | Path, *,
         done = {}
     pending = [(task, root, s) for task, root in items for s in range(k)
                if (task.id, s) not in done]
+    if pending:
+        # The finished output is about to change: until it is rewritten it is not finished.
+        (out / "manifest.json").unlink(missing_ok=True)
     judge = None
     if recipe.reward.judge.base_url:
         from pipelines.rl.judge import Judge
