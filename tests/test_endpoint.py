@@ -289,3 +289,22 @@ def test_after_a_server_error_later_requests_open_new_connections() -> None:
         gen, _ = _turn(policy)
     assert gen.text == CODE and policy.client._http is not before
     assert policy.client.sends_stop  # one 500 is not a verdict on stop strings
+
+
+def test_eval_against_a_server_with_several_models_asks_for_one_before_writing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    from pipelines.store import Store
+    from pyvision_cli.eval import app
+    from tests.test_benchmarks import make_vstar_dir
+
+    monkeypatch.setenv("PYVISION_CACHE", str(tmp_path / "cache"))
+    data = make_vstar_dir(tmp_path / "vstar")
+    with FakeOpenAI(lambda body: (200, {}), models=[{"id": "a"}, {"id": "b"}]) as server:
+        result = CliRunner().invoke(app, ["--model", server.url, "--benchmarks", "vstar",
+                                          "--data-dir", str(data), "--run-id", "two"])
+    assert result.exit_code == 2 and not server.requests
+    line = " ".join(result.output.split())
+    assert "serves 2 models (a, b)" in line and "--served-model NAME" in line
+    assert Store().runs() == []

@@ -164,6 +164,8 @@ def run_eval(recipe: Recipe, *, model: str, model_tag: str, benchmarks: list[str
                              dtype=recipe.model.dtype, concurrency=cfg.concurrency,
                              client=cfg.client, url_hint=ENDPOINT_HINT,
                              model_hint="pass --served-model NAME")
+        if engine == "openai":
+            _ = policy.model  # a server listing several models needs a name: say so before writing
     if register_run is not None:
         store.upsert_run(run_id, **register_run)
 
