@@ -87,6 +87,9 @@ def run_episodes(items: Iterable[tuple[Task, Path]], policy: Policy, agent_cfg: 
         t.prompt_tokens, t.generated_tokens = counts["prompt"], counts["generated"]
         t.observation_tokens, t.visual_tokens = counts["observation"], counts["visual"]
         t.trace = policy.trace(ep.handle)
+        usage = getattr(policy, "request_usage", None)
+        if usage is not None:
+            t.request_usage = usage(ep.handle)
         t.total_s = time.monotonic() - ep.start
         policy.end(ep.handle)
         if ep.sandbox is not None:

@@ -3,7 +3,9 @@
 1. Synthetic tasks: train and held-out sets for each configured kind (``synth/<kind>/<split>``).
 2. A split of the train tasks: the first ``sft_fraction`` get cold-start trajectories, the rest are
    RL prompts (``rl/<kind>/tasks.jsonl``, media referenced in place).
-3. Cold-start trajectories executed in the sandbox (``trajectories/<kind>``).
+3. Cold-start trajectories executed in the sandbox (``trajectories/<kind>``), distilled from a
+   teacher (``distill/``, :mod:`pipelines.data.distill`, on the same SFT tasks and the folders of
+   ``data.distill.tasks``), or both, and any conversation folders: ``data.sft_sources``.
 4. The base model: a tiny Qwen2.5-VL built here when the recipe asks for one, its tokenizer trained
    on the trajectories' own text (so its merges fit the data); else the recipe's model id/path.
 5. The LLaMA-Factory export of all trajectories (``llamafactory/``), with the copy drills of
@@ -77,6 +79,8 @@ def run_data_stage(recipe: Recipe, sd: StageDir, *, show_progress: bool = True) 
     outputs: dict[str, Any] = {"rl_tasks": [], "heldout": {}}
     summary: dict[str, Any] = {}
     traj_sources = []
+    sources = recipe.data.resolved_sft_sources()
+    distill_tasks: list[Path] = []
     for kind, cfg in kinds.items():
         if cfg.n_train == 0 and cfg.n_heldout == 0:
             continue
@@ -102,8 +106,9 @@ def run_data_stage(recipe: Recipe, sd: StageDir, *, show_progress: bool = True) 
         if n_sft:
             sft_dir = root / "sft-tasks" / kind
             subset_tasks(tasks[:n_sft], train, sft_dir)
+            distill_tasks.append(sft_dir)
             traj = root / "trajectories" / kind
-            if not (traj / "manifest.json").exists():
+            if "scripted" in sources and not (traj / "manifest.json").exists():
                 m = make_trajectories(sft_dir, traj, seed=recipe.seed, agent_cfg=recipe.agent,
                                       sandbox_cfg=recipe.sandbox, progress=show_progress)
                 err.print(f"trajectories ({kind}): kept {m['kept']} of {m['tasks']} "
@@ -111,7 +116,8 @@ def run_data_stage(recipe: Recipe, sd: StageDir, *, show_progress: bool = True) 
                 summary[f"{kind}/trajectories_kept"] = m["kept"]
                 summary[f"{kind}/trajectories_dropped"] = sum(m["dropped"].values())
                 summary[f"{kind}/trajectories_per_s"] = m["trajectories_per_s"]
-            traj_sources.append(traj)
+            if "scripted" in sources:
+                traj_sources.append(traj)
         summary[f"{kind}/train_tasks"] = len(tasks)
         summary[f"{kind}/sft_tasks"] = n_sft
         summary[f"{kind}/rl_tasks"] = len(tasks) - n_sft
@@ -131,6 +137,12 @@ def run_data_stage(recipe: Recipe, sd: StageDir, *, show_progress: bool = True) 
             traj_sources.append(target)
         elif kind == "rl":
             outputs["rl_tasks"].append(str(target))
+
+    if "distill" in sources:
+        traj_sources.append(_distill(recipe, sd, distill_tasks, summary, show_progress))
+    for source in sources:
+        if source not in ("scripted", "distill"):
+            traj_sources.append(Path(source))
 
     conversations = [(src, read_conversations(src)[0]) for src in traj_sources]
     if recipe.model.tiny is not None:
@@ -155,3 +167,24 @@ def run_data_stage(recipe: Recipe, sd: StageDir, *, show_progress: bool = True) 
     summary["seconds"] = round(time.monotonic() - start, 1)
     sd.finish(outputs, summary)
     return {"outputs": outputs, "summary": summary}
+
+
+def _distill(recipe: Recipe, sd: StageDir, task_dirs: list[Path], summary: dict[str, Any],
+             show_progress: bool) -> Path:
+    """Distil the SFT tasks (and ``data.distill.tasks``) from the recipe's teacher into
+    ``distill/``; a re-run draws only what is missing."""
+    from pipelines.data.distill import distill
+
+    out = sd.path / "distill"
+    folders = [*task_dirs, *(Path(p) for p in recipe.data.distill.tasks)]
+    if not (out / "manifest.json").exists():
+        card = distill(recipe, folders, out, store=sd.store, run_id=sd.run_id,
+                       progress=show_progress)
+        s = card["samples"]
+        err.print(f"distill: {s['drawn']} samples from {card['teacher']['served_model']}, "
+                  f"{s['accepted']} verified, {card['selection']['kept']} kept "
+                  f"(rejected: {s['rejected'] or 'none'})")
+        summary["distill/samples"] = s["drawn"]
+        summary["distill/accepted"] = s["accepted"]
+        summary["distill/kept"] = card["selection"]["kept"]
+    return out
