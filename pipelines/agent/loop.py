@@ -117,7 +117,9 @@ def run_episodes(items: Iterable[tuple[Task, Path]], policy: Policy, agent_cfg: 
     def run_code(ep: Episode) -> Any:
         if ep.sandbox is None:
             ep.sandbox = Sandbox(sandbox_cfg, images=ep.runtime_media["images"],
-                                 videos=ep.runtime_media["videos"])
+                                 videos=ep.runtime_media["videos"],
+                                 context_pixels=(agent_cfg.image_min_pixels,
+                                                 agent_cfg.image_max_pixels))
         return ep.sandbox.run(ep.pending_code or "")
 
     streams = policy is not None and "on_done" in inspect.signature(policy.generate).parameters
