@@ -85,7 +85,6 @@ def test_a_short_pretraining_repeats_byte_for_byte_and_resumes_exactly(tmp_path)
     assert file_digests(c)["model.safetensors"] == file_digests(a)["model.safetensors"]
 
 
-@pytest.mark.slow
 def test_the_shipped_base_meets_the_probe_thresholds():
     from pipelines.models.probe import THRESHOLDS, probe_path
 
