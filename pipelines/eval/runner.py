@@ -32,6 +32,7 @@ from pipelines.data.records import Task
 from pipelines.errors import DataError, EndpointError
 from pipelines.eval.judging import Scoring, fallback_warning, scoring_for, store_aggregate
 from pipelines.fsutil import weights_fingerprint
+from pipelines.report.media import trajectory_media
 from pipelines.store import EvalRecord, Store
 
 if TYPE_CHECKING:
@@ -179,6 +180,7 @@ def run_eval(recipe: Recipe, *, model: str, model_tag: str, benchmarks: list[str
                                      recipe.sandbox, mode="eval", batch_size=batch):
                 task = by_id[traj.task_id]
                 scores, scored_by = scoring.score(task, traj.final_answer)
+                media, blobs = trajectory_media(task, Path("/"), traj, recipe.report.thumbnail_px)
                 rec = EvalRecord(
                     run_id=run_id, model=model_tag, benchmark=name, sample_id=task.id,
                     benchmark_version=bench.version, prompt_version=traj.prompt_version,
@@ -190,7 +192,7 @@ def run_eval(recipe: Recipe, *, model: str, model_tag: str, benchmarks: list[str
                     total_tokens=(traj.prompt_tokens + traj.generated_tokens
                                   + traj.observation_tokens),
                     duration_s=traj.total_s, trajectory=traj.to_json(), scores=scores,
-                    model_fingerprint=fingerprint)
+                    model_fingerprint=fingerprint, media=media, blobs=blobs)
                 writer.add(rec)
                 if on_sample is not None:
                     on_sample(name, rec)
