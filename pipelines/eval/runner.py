@@ -215,7 +215,25 @@ def run_eval(recipe: Recipe, *, model: str, model_tag: str, benchmarks: list[str
             from rich.markup import escape
 
             err.print(f"[yellow]warning:[/] {escape(warning)}", soft_wrap=True, highlight=False)
+    _track(recipe, store, run_id, model_tag, results, {p.name: p.bench.primary_metric
+                                                       for p in plans})
     return results
+
+
+def _track(recipe: Recipe, store: Store, run_id: str, model_tag: str,
+           results: dict[str, dict[str, float]], primary: dict[str, str]) -> None:
+    """The aggregates to the recipe's trackers (pipelines/trackers.py), as verl's validation
+    metrics: at step 0, or for the RL model at the number of RL steps the store recorded."""
+    from pipelines.trackers import eval_metrics, open_trackers
+
+    if not recipe.report.trackers or not results:
+        return
+    last = store.last_step(run_id, "rl") if model_tag == "rl" else None
+    trackers = open_trackers(recipe, run_id, f"eval-{model_tag}")
+    try:
+        trackers.log(0 if last is None else last + 1, eval_metrics(results, primary))
+    finally:
+        trackers.close()
 
 
 def _judge(recipe: Recipe, store: Store) -> Any:
