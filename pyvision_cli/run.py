@@ -56,7 +56,7 @@ def run(
     rows = []
     for stage, info in summary.items():
         highlights = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
-                               for k, v in info.items() if k not in ("status", "seconds"))[:160]
+                               for k, v in info.items() if k not in ("status", "seconds"))
         rows.append([stage, info["status"], str(info.get("seconds", "-")), highlights])
     print_table(f"run '{rid}' ({time.monotonic() - start:.0f} s)",
                 ["stage", "status", "seconds", "highlights"], rows)

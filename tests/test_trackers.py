@@ -111,6 +111,9 @@ def test_rollouts_of_a_step_are_recorded_and_sent_to_tensorboard(step_batch):
     assert whole == {0, 1}
     media = by_group[0][0]["media"]
     assert len(store.media(media["inputs"] + media["images"])) == 2  # input and the crop
+    assert by_group[2][0]["media"] == {"inputs": [by_group[2][0]["media"]["inputs"][0]],
+                                       "images": []}  # the input only, for the list
+    assert by_group[2][1]["media"] is None
     steps = collect_trajectories(store, ["r"]).steps
     assert [g["status"] for g in steps[0]["groups"]] == ["kept", "zero_variance", "rank_cut",
                                                         "rank_cut"]

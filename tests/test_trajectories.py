@@ -364,3 +364,14 @@ def test_tables_are_never_cut():
     wide = _console(width=120, terminal=True)
     print_table("paired comparisons", header, rows, wide)
     assert "┃ benchmark " in wide.file.getvalue()
+
+
+def test_perf_report_measures_a_filled_store():
+    from pipelines.perf.report import run_benchmark
+
+    result = run_benchmark(12, browser=False)
+    assert result["samples"] == 12 and result["models"] == 3
+    assert result["thumbnails"] >= 12  # inputs shared by the models, one crop or two each
+    for key in ("collect_s", "page_s", "media_s", "report_s", "page_mb", "media_mb"):
+        assert result[key] > 0, key
+    assert result["browser_s"] is None and result["page_ready_ms"] is None

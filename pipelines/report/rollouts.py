@@ -6,8 +6,8 @@ per step, after the strategy selected and the update ran, and ``close`` at the e
 - records every rollout's reward terms, advantage (against its whole group, as the strategy set
   it) and fate (kept, or dropped and why) in the store's ``rl_rollouts``, and the whole
   trajectories (with thumbnails) of a sample of groups: the ``report.rollout_groups`` highest
-  ranked kept groups and as many dropped groups, in generation order. The report's "Training
-  rollouts" tab shows them;
+  ranked kept groups and as many dropped groups, in generation order (the other groups keep
+  the thumbnail of their input image only). The report's "Training rollouts" tab shows them;
 - sends the step's metrics to the recipe's trackers under verl's names (:mod:`pipelines.trackers`).
 
 Recording costs a few milliseconds per trajectory kept whole (JSON and thumbnails) and one store
@@ -20,7 +20,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from pipelines.report.media import trajectory_media
+from pipelines.report.media import thumbnail_file, trajectory_media
 from pipelines.rl.strategy import Group, Rollout, broken_reason, select_groups
 from pipelines.trackers import Trackers, open_trackers, rl_metrics
 
@@ -98,6 +98,13 @@ def rollout_rows(batch: Any, recipe: Any, tasks: dict[str, tuple[Any, Path]]
                    "tool_calls": t.tool_calls, "visual_tokens": t.visual_tokens}
             if i == 0 and task is not None:
                 row["task"] = task.model_dump(mode="json")
+                if key not in whole and recipe.report.thumbnail_px > 0 and not task.video:
+                    # The group's input image, for the list (each file is decoded once).
+                    inputs = [thumbnail_file(p, recipe.report.thumbnail_px)
+                              for p in task.image_paths(root)]
+                    row["media"] = {"inputs": [b.sha256 if b else None for b in inputs],
+                                    "images": []}
+                    blobs.update((b.sha256, b) for b in inputs if b is not None)
             if key in whole:
                 row["trajectory"] = t.to_json()
                 if task is not None:

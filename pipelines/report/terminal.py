@@ -120,6 +120,10 @@ class Images:
                            soft_wrap=True, highlight=False)
 
 
+def _n(count: int, word: str) -> str:
+    return f"{count} {word}{'' if count == 1 else 's'}"
+
+
 def _verdict(v: str) -> str:
     return f"[bold {_COLOURS.get(v, 'white')}]{v}[/]"
 
@@ -275,9 +279,9 @@ def render_entry(console: Console, ts: TrajectorySet, e: dict[str, Any], images:
             f"{escape(str(e['prediction']))} (gold {escape(s['gold'])})")
     score = "-" if e["score"] is None else f"{e['score']:.3f}"
     facts = (f"score {e['metric'] or '-'} = {score}"
-             f" · scored by {e['scored_by']} ({e['scorer']}) · {e['turns']} turns · "
-             f"{e['tools']} tool calls" + (f" ({e['failed']} failed)" if e["failed"] else "")
-             + f" · {e['visual']} visual tokens · stop: {e['stop']} · {e['seconds']} s")
+             f" · scored by {e['scored_by']} ({e['scorer']}) · {_n(e['turns'], 'turn')} · "
+             f"{_n(e['tools'], 'tool call')}" + (f" ({e['failed']} failed)" if e["failed"] else "")
+             + f" · {_n(e['visual'], 'visual token')} · stop: {e['stop']} · {e['seconds']} s")
     console.print()
     console.print(Panel(Text(facts), title=head, title_align="left", expand=True))
     if s["video"]:
@@ -313,7 +317,7 @@ def entry_json(ts: TrajectorySet, e: dict[str, Any], images: Images | None) -> d
            "question": s["question"], "gold": s["gold"],
            **{k: e[k] for k in ("verdict", "score", "metric", "prediction", "stop", "turns",
                                 "tools", "failed", "visual", "scored_by", "scorer", "steps")}}
-    if images is not None and images.mode == "paths":
+    if images is not None and images.mode != "none":  # JSON names files, whatever the terminal
         def where(sha: str | None) -> str | None:
             path = images.path(sha) if sha else None
             return str(path) if path else None

@@ -333,7 +333,7 @@
     box.appendChild(samplePanel({benchmark: st.run + " step " + st.step + " · group " + g.group, id: g.task_id, question: g.question,
                                  gold: g.gold, options: g.options, inputs: g.inputs, video: g.video}, []));
     box.appendChild(el("p", {}, el("b", {text: g.status === "kept" ? "kept, rank " + (g.rank + 1) : "dropped: " + g.status}),
-      "  ·  group reward mean " + num(g.mean) + ", std " + num(g.std) + " (advantage = reward − mean)"));
+      "  ·  group reward mean " + num(g.mean) + ", std " + num(g.std) + " (each advantage is set against the whole group, before any filtering)"));
     const t = el("table", {class: "groups"}, el("tr", {}, ["rollout", "fate", "reward", "accuracy", "tool", "format", "advantage", "answer", "stop", "turns", "tool calls", "visual tokens"].map(h => el("th", {text: h}))));
     for (const r of g.rollouts)
       t.appendChild(el("tr", {}, [r.sample, r.status, num(r.reward), num(r.accuracy, 2), num(r.tool, 2), num(r.format, 2), num(r.advantage),
@@ -366,4 +366,6 @@
   readHash();
   window.addEventListener("hashchange", () => { readHash(); render(); });
   render();
+  // Navigation start to the first view drawn (read by `pyvision perf report`).
+  document.getElementById("app").dataset.readyMs = String(Math.round(performance.now()));
 })();
