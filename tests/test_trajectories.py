@@ -375,3 +375,29 @@ def test_perf_report_measures_a_filled_store():
     for key in ("collect_s", "page_s", "media_s", "report_s", "page_mb", "media_mb"):
         assert result[key] > 0, key
     assert result["browser_s"] is None and result["page_ready_ms"] is None
+
+
+def test_a_store_from_before_thumbnails_still_reports(evaluated, tmp_path):
+    """A store written before migration 004, opened read-only (not migrated): no thumbnails
+    or rollouts, and the page says so instead of failing."""
+    import duckdb
+
+    old = tmp_path / "old.duckdb"
+    shutil.copy(evaluated["store"].path, old)
+    with duckdb.connect(str(old)) as con:
+        con.execute("DROP TABLE media")
+        con.execute("DROP TABLE rl_rollouts")
+        con.execute("ALTER TABLE eval_trajectories DROP COLUMN media")
+        con.execute("DELETE FROM schema_version WHERE version = 4")
+    store = Store(old, read_only=True)
+    ts = collect_trajectories(store, [RUN])
+    assert len(ts.entries) == 15 and ts.steps == []
+    assert not any(e["images_stored"] for e in ts.entries)
+    # The input images are still where the tasks say: thumbnails are made for the page.
+    assert all(s["inputs"] and s["inputs"][0] for s in ts.samples if not s["video"])
+    written = write_report(store, [RUN], ["html"], tmp_path / "rep")
+    assert len(list((tmp_path / "rep" / "media").iterdir())) == 3  # one per input image
+    assert Path(written["trajectories"]).is_file()
+    sft = next(e for e in ts.entries if ts.models[e["m"]]["model"] == "sft"
+               and ts.samples[e["s"]]["benchmark"] == "synth-image")
+    assert sft["steps"][0]["imgs"] == [None]  # the page says "(interpreter image 1 not stored)"

@@ -124,11 +124,12 @@ class Store:
     def __init__(self, path: str | Path | None = None, *, read_only: bool = False) -> None:
         self.path = resolve_store_path(path)
         self.read_only = read_only
+        self._read_version = SCHEMA_VERSION
         if read_only:
             if not self.path.exists():
                 raise UserError(f"store not found: {self.path}",
                                 hint="run a stage first, or pass --store / set PYVISION_STORE")
-            self._check_version()
+            self._read_version = self._check_version()
         else:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.migrate()
@@ -366,8 +367,15 @@ class Store:
                             [[b.sha256, b.mime, b.width, b.height, b.data]
                              for b in unique.values()])
 
+    def _at_least(self, version: int) -> bool:
+        """Whether the file has migration ``version`` (a store opened read-only is not migrated:
+        one written by an older pyvision reads as if it had none of the newer tables)."""
+        return self._read_version >= version
+
     def media(self, shas: Sequence[str]) -> dict[str, MediaBlob]:
         """The stored thumbnails among ``shas`` (missing ones are left out)."""
+        if not self._at_least(4):
+            return {}
         wanted = sorted(set(shas))
         out: dict[str, MediaBlob] = {}
         for i in range(0, len(wanted), 500):
@@ -404,6 +412,8 @@ class Store:
     def rollouts(self, run_ids: Sequence[str] | None = None, *,
                  with_trajectory: bool = True) -> list[dict[str, Any]]:
         """Recorded RL rollouts, by run, step, group and sample."""
+        if not self._at_least(4):
+            return []
         where, params = _in_runs(run_ids)
         cols = [c for c in self.ROLLOUT_COLUMNS if with_trajectory or c != "trajectory"]
         rows = self._query(f"SELECT run_id, step, {', '.join(cols)} FROM rl_rollouts{where} "
@@ -465,7 +475,7 @@ class Store:
         if with_task:
             cols += ", task"
         if with_media:
-            cols += ", media"
+            cols += ", media" if self._at_least(4) else ", NULL AS media"
         sql = f"SELECT {cols} FROM eval_trajectories WHERE run_id = ?"
         params: list[Any] = [run_id]
         if model is not None:
