@@ -379,7 +379,7 @@ def test_perf_report_measures_a_filled_store():
 
 
 def test_a_store_from_before_thumbnails_still_reports(evaluated, tmp_path):
-    """A store written before migration 004, opened read-only (not migrated): no thumbnails
+    """A store written before migration 005, opened read-only (not migrated): no thumbnails
     or rollouts, and the page says so instead of failing."""
     import duckdb
 
@@ -389,7 +389,7 @@ def test_a_store_from_before_thumbnails_still_reports(evaluated, tmp_path):
         con.execute("DROP TABLE media")
         con.execute("DROP TABLE rl_rollouts")
         con.execute("ALTER TABLE eval_trajectories DROP COLUMN media")
-        con.execute("DELETE FROM schema_version WHERE version = 4")
+        con.execute("DELETE FROM schema_version WHERE version = 5")
     store = Store(old, read_only=True)
     ts = collect_trajectories(store, [RUN])
     assert len(ts.entries) == 15 and ts.steps == []

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipelines.config.recipe import Recipe
-from pipelines.console import err
+from pipelines.console import StatusProgress, err
 from pipelines.data.records import Task
 from pipelines.errors import DataError, EndpointError
 from pipelines.eval.judging import Scoring, fallback_warning, scoring_for, store_aggregate
@@ -102,8 +102,14 @@ def check_media(name: str, tasks: list[Task]) -> None:
                 raise DataError(f"{name} sample {task.id}: {exc.message}", hint=exc.hint) from None
 
 
-def check_endpoint(url: str, timeout_s: float = 10.0) -> None:
-    """Any HTTP answer from ``url`` counts as reachable; no answer at all is an EndpointError."""
+ENDPOINT_HINT = ("start it (e.g. `vllm serve MODEL --port 8000`) and pass its URL to --model, or "
+                 "pass a local model folder")
+
+
+def check_endpoint(url: str, timeout_s: float = 10.0, *, what: str = "model server",
+                   hint: str = ENDPOINT_HINT) -> None:
+    """Any HTTP answer from ``url`` counts as reachable; no answer at all is an EndpointError
+    naming ``what`` with ``hint``."""
     import httpx
 
     base = url.rstrip("/")
@@ -112,10 +118,8 @@ def check_endpoint(url: str, timeout_s: float = 10.0) -> None:
     try:
         httpx.get(f"{base}/models", timeout=timeout_s)
     except (httpx.HTTPError, httpx.InvalidURL) as exc:
-        raise EndpointError(f"model server {url} does not answer ({type(exc).__name__}: "
-                            f"{str(exc)[:160]})",
-                            hint="start it (e.g. `vllm serve MODEL --port 8000`) and pass its URL "
-                                 "to --model, or pass a local model folder") from None
+        raise EndpointError(f"{what} {url} does not answer ({type(exc).__name__}: "
+                            f"{str(exc)[:160]})", hint=hint) from None
 
 
 def run_eval(recipe: Recipe, *, model: str, model_tag: str, benchmarks: list[str], run_id: str,
@@ -158,7 +162,11 @@ def run_eval(recipe: Recipe, *, model: str, model_tag: str, benchmarks: list[str
             check_endpoint(target)
         policy = make_policy(target, engine=engine, served_model=served_model,
                              agent_cfg=recipe.agent, device=recipe.model.device,
-                             dtype=recipe.model.dtype, concurrency=cfg.concurrency)
+                             dtype=recipe.model.dtype, concurrency=cfg.concurrency,
+                             client=cfg.client, url_hint=ENDPOINT_HINT,
+                             model_hint="pass --served-model NAME")
+        if engine == "openai":
+            _ = policy.model  # a server listing several models needs a name: say so before writing
     if register_run is not None:
         store.upsert_run(run_id, **register_run)
 
@@ -172,9 +180,11 @@ def run_eval(recipe: Recipe, *, model: str, model_tag: str, benchmarks: list[str
             err.print(f"{model_tag} on {name}: {plan.stale} stored samples came from other "
                       f"weights than {model}; evaluating them again")
         start = time.monotonic()
-        progress = _Progress(show_progress, f"eval {model_tag} on {name}", len(plan.tasks),
-                             len(plan.tasks) - len(pending))
+        progress = StatusProgress(show_progress, f"eval {model_tag} on {name}", len(plan.tasks),
+                                  len(plan.tasks) - len(pending),
+                                  status=getattr(policy, "activity", None))
         writer = store.eval_writer()
+        stored = 0
         try:
             for traj in run_episodes([(t, Path("/")) for t in pending], policy, recipe.agent,
                                      recipe.sandbox, mode="eval", batch_size=batch):
@@ -194,9 +204,19 @@ def run_eval(recipe: Recipe, *, model: str, model_tag: str, benchmarks: list[str
                     duration_s=traj.total_s, trajectory=traj.to_json(), scores=scores,
                     model_fingerprint=fingerprint, media=media, blobs=blobs)
                 writer.add(rec)
+                stored += 1
                 if on_sample is not None:
                     on_sample(name, rec)
                 progress.advance()
+        except KeyboardInterrupt:
+            writer.flush()
+            progress.close()
+            close = getattr(policy, "close", None)
+            if close is not None:
+                close()
+            err.print(f"[yellow]interrupted:[/] {model_tag} on {name}: kept the {stored} samples "
+                      f"finished in this run; run the same command again to resume", soft_wrap=True)
+            raise
         finally:
             writer.flush()
             progress.close()
@@ -243,22 +263,3 @@ def _judge(recipe: Recipe, store: Store) -> Any:
     from pipelines.rl.judge import Judge
 
     return Judge(recipe.reward.judge, store=store)
-
-
-class _Progress:
-    def __init__(self, enabled: bool, label: str, total: int, done: int) -> None:
-        self.enabled = enabled
-        if enabled:
-            from rich.progress import Progress
-
-            self.bar = Progress(console=err, transient=True)
-            self.task = self.bar.add_task(label, total=total, completed=done)
-            self.bar.start()
-
-    def advance(self) -> None:
-        if self.enabled:
-            self.bar.advance(self.task)
-
-    def close(self) -> None:
-        if self.enabled:
-            self.bar.stop()

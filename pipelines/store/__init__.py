@@ -548,6 +548,34 @@ class Store:
                         "verdict=excluded.verdict", [key, model, response, verdict])
 
 
+    # -- distillation ------------------------------------------------------------------------
+
+    def put_distill(self, dataset: str, *, run_id: str | None, teacher: str,
+                    card: Mapping[str, Any], samples: Sequence[Mapping[str, Any]]) -> None:
+        """Replace a distilled dataset's card and per-sample rows (one transaction)."""
+        cols = ("task_id", "sample_index", "family", "data_source", "verdict", "kept",
+                "selection", "turns", "tool_calls", "failed_calls", "total_tokens",
+                "visual_tokens")
+        with self._transaction() as con:
+            con.execute("DELETE FROM distill_samples WHERE dataset = ?", [dataset])
+            con.execute("DELETE FROM distill_cards WHERE dataset = ?", [dataset])
+            con.execute("INSERT INTO distill_cards (dataset, run_id, teacher, card) VALUES "
+                        "(?, ?, ?, ?)", [dataset, run_id, teacher, json.dumps(card, default=str)])
+            if samples:
+                con.executemany(
+                    f"INSERT INTO distill_samples (dataset, {', '.join(cols)}) VALUES "
+                    f"({', '.join('?' for _ in range(len(cols) + 1))})",
+                    [[dataset, *(s.get(c) for c in cols)] for s in samples])
+
+    def distill_card(self, dataset: str) -> dict[str, Any] | None:
+        rows = self._query("SELECT card FROM distill_cards WHERE dataset = ?", [dataset])
+        return json.loads(rows[0]["card"]) if rows else None
+
+    def distill_samples(self, dataset: str) -> list[dict[str, Any]]:
+        return self._query("SELECT * FROM distill_samples WHERE dataset = ? ORDER BY task_id, "
+                           "sample_index", [dataset])
+
+
 class EvalWriter:
     """Commits evaluated samples in small batches; ``flush()`` (always call it, in a ``finally``)
     commits what is left. A sample is committed at most ``max_delay_s`` after it is added, so an
