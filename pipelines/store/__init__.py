@@ -56,6 +56,9 @@ def _migrations() -> list[tuple[int, str, str]]:
 
 
 SCHEMA_VERSION = max(n for n, _, _ in _migrations())
+# The migration that adds thumbnails (``media``) and RL rollouts: older stores opened read-only
+# lack them.
+MEDIA_MIGRATION = 5
 ANY_WEIGHTS = object()
 """``eval_sample_ids`` default: samples stored by any weights."""
 
@@ -374,7 +377,7 @@ class Store:
 
     def media(self, shas: Sequence[str]) -> dict[str, MediaBlob]:
         """The stored thumbnails among ``shas`` (missing ones are left out)."""
-        if not self._at_least(4):
+        if not self._at_least(MEDIA_MIGRATION):
             return {}
         wanted = sorted(set(shas))
         out: dict[str, MediaBlob] = {}
@@ -412,7 +415,7 @@ class Store:
     def rollouts(self, run_ids: Sequence[str] | None = None, *,
                  with_trajectory: bool = True) -> list[dict[str, Any]]:
         """Recorded RL rollouts, by run, step, group and sample."""
-        if not self._at_least(4):
+        if not self._at_least(MEDIA_MIGRATION):
             return []
         where, params = _in_runs(run_ids)
         cols = [c for c in self.ROLLOUT_COLUMNS if with_trajectory or c != "trajectory"]
@@ -475,7 +478,7 @@ class Store:
         if with_task:
             cols += ", task"
         if with_media:
-            cols += ", media" if self._at_least(4) else ", NULL AS media"
+            cols += ", media" if self._at_least(MEDIA_MIGRATION) else ", NULL AS media"
         sql = f"SELECT {cols} FROM eval_trajectories WHERE run_id = ?"
         params: list[Any] = [run_id]
         if model is not None:
