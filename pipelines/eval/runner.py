@@ -32,6 +32,7 @@ from pipelines.data.records import Task
 from pipelines.errors import DataError, EndpointError
 from pipelines.eval.judging import Scoring, fallback_warning, scoring_for, store_aggregate
 from pipelines.fsutil import weights_fingerprint
+from pipelines.report.media import trajectory_media
 from pipelines.store import EvalRecord, Store
 
 if TYPE_CHECKING:
@@ -189,6 +190,7 @@ def run_eval(recipe: Recipe, *, model: str, model_tag: str, benchmarks: list[str
                                      recipe.sandbox, mode="eval", batch_size=batch):
                 task = by_id[traj.task_id]
                 scores, scored_by = scoring.score(task, traj.final_answer)
+                media, blobs = trajectory_media(task, Path("/"), traj, recipe.report.thumbnail_px)
                 rec = EvalRecord(
                     run_id=run_id, model=model_tag, benchmark=name, sample_id=task.id,
                     benchmark_version=bench.version, prompt_version=traj.prompt_version,
@@ -200,7 +202,7 @@ def run_eval(recipe: Recipe, *, model: str, model_tag: str, benchmarks: list[str
                     total_tokens=(traj.prompt_tokens + traj.generated_tokens
                                   + traj.observation_tokens),
                     duration_s=traj.total_s, trajectory=traj.to_json(), scores=scores,
-                    model_fingerprint=fingerprint)
+                    model_fingerprint=fingerprint, media=media, blobs=blobs)
                 writer.add(rec)
                 stored += 1
                 if on_sample is not None:
@@ -233,7 +235,25 @@ def run_eval(recipe: Recipe, *, model: str, model_tag: str, benchmarks: list[str
             from rich.markup import escape
 
             err.print(f"[yellow]warning:[/] {escape(warning)}", soft_wrap=True, highlight=False)
+    _track(recipe, store, run_id, model_tag, results, {p.name: p.bench.primary_metric
+                                                       for p in plans})
     return results
+
+
+def _track(recipe: Recipe, store: Store, run_id: str, model_tag: str,
+           results: dict[str, dict[str, float]], primary: dict[str, str]) -> None:
+    """The aggregates to the recipe's trackers (pipelines/trackers.py), as verl's validation
+    metrics: at step 0, or for the RL model at the number of RL steps the store recorded."""
+    from pipelines.trackers import eval_metrics, open_trackers
+
+    if not recipe.report.trackers or not results:
+        return
+    last = store.last_step(run_id, "rl") if model_tag == "rl" else None
+    trackers = open_trackers(recipe, run_id, f"eval-{model_tag}")
+    try:
+        trackers.log(0 if last is None else last + 1, eval_metrics(results, primary))
+    finally:
+        trackers.close()
 
 
 def _judge(recipe: Recipe, store: Store) -> Any:

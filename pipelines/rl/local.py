@@ -45,6 +45,7 @@ from pipelines.config.recipe import Recipe
 from pipelines.console import err
 from pipelines.data.records import Task, read_tasks
 from pipelines.errors import UserError
+from pipelines.report.rollouts import RLObserver
 from pipelines.rl.local_utils import (
     TaskSampler,
     TokenSequence,
@@ -365,6 +366,8 @@ def train_local(recipe: Recipe, sd: StageDir, *, model_path: str, task_dirs: lis
         if sd.store is not None:
             sd.store.delete_metrics_after(sd.run_id, "rl", start_step - 1)
         err.print(f"resuming RL from {latest} (step {start_step})")
+    # Rollouts for the report and metrics for trackers (pipelines/report/rollouts.py).
+    observer = RLObserver(recipe, sd, items)
     table = LiveTable(show_progress, local.steps)
     try:
         for step in range(start_step, local.steps):
@@ -377,11 +380,13 @@ def train_local(recipe: Recipe, sd: StageDir, *, model_path: str, task_dirs: lis
             if sd.store is not None:
                 sd.store.log_metrics(sd.run_id, "rl", step, metrics)
             table.add(step, metrics)
+            observer.step(step, batch, metrics)
             if (step + 1) % local.save_every == 0 or step + 1 == local.steps:
                 save_checkpoint(ckpt_root, step + 1, model, processor, engine.optimizer,
                                 engine.sampler, extra={"history": history}, keep=2)
     finally:
         table.close()
+        observer.close()
     final = sd.path / "model"
     from pipelines.fsutil import atomic_dir
 
