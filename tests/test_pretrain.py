@@ -94,3 +94,23 @@ def test_the_shipped_base_meets_the_probe_thresholds():
     manifest = json.loads((base / MANIFEST).read_text())
     assert manifest["sha256"] == file_digests(base)
     assert set(manifest["probe"]) == set(THRESHOLDS)
+
+
+def test_the_shipped_base_is_checked_before_it_is_used(tmp_path, monkeypatch):
+    import shutil
+
+    from pipelines.errors import UserError
+    from pipelines.models import pretrain as pt
+    from pipelines.models.pretrain import copy_shipped_base
+
+    copy = copy_shipped_base("small", tmp_path / "ok")
+    assert file_digests(copy) == file_digests(shipped_base("small"))
+    with pytest.raises(UserError, match="no pretrained tiny base of size 'nano'"):
+        copy_shipped_base("nano", tmp_path / "none")
+    broken = tmp_path / "weights" / "tiny-small"
+    shutil.copytree(shipped_base("small"), broken)
+    (broken / "config.json").write_text("{}")
+    monkeypatch.setattr(pt, "shipped_base", lambda size: broken)
+    with pytest.raises(UserError, match="does not match its manifest"):
+        copy_shipped_base("small", tmp_path / "bad")
+    assert not (tmp_path / "bad").exists()
