@@ -147,7 +147,7 @@ def run_eval(recipe: Recipe, *, model: str, model_tag: str, benchmarks: list[str
     plans: list[_Plan] = []
     for name in dict.fromkeys(benchmarks):  # a name given twice runs once
         # The judge is part of the scorer: its model is stored with every score it decided.
-        scoring = scoring_for(name, judge, recipe.reward.judge.model)
+        scoring = scoring_for(name, judge, recipe.reward.judge.model, recipe.reward)
         bench = scoring.bench
         data_dir = (data_dirs or {}).get(name) or cfg.data_dir
         tasks = bench.load(data_dir=data_dir, limit=limit)
