@@ -10,7 +10,7 @@ Each step:
    types it is configured for; its calls run concurrently, and fallbacks are counted per step.
 3. **Strategy.** Advantages on whole groups (GRPO, no std normalisation by default), then filter
    and rank (:mod:`pipelines.rl.strategy`); if too few groups survive, generate another round
-   (at most :data:`MAX_ROUNDS` rounds per step).
+   (at most ``rl.strategy.max_rounds`` rounds per step).
 4. **Update.** Old log-probs from the current weights, then PPO-clip updates on mini-batches of
    ``rl.mini_batch_prompts`` groups (verl's loss functions, token-mean over model tokens only),
    an optional KL to the starting policy, gradient clipping, AdamW. The vision tower stays frozen
@@ -58,9 +58,6 @@ from pipelines.rl.rewards import RewardBreakdown, compute_reward
 from pipelines.rl.strategy import Group, Rollout, Selection, Selector, broken_reason
 from pipelines.rundir import StageDir
 
-# Generation rounds per step before training on whatever survived the filters: bounds the cost
-# of a step whose groups are nearly all zero-variance (early in training, or a saturated policy).
-MAX_ROUNDS = 3
 # Sequences per forward/backward pass; gradients accumulate over a mini-batch, so this changes
 # memory, not the result.
 MICRO_BATCH = 4
@@ -189,7 +186,7 @@ class LocalEngine:
         from pipelines.agent.loop import run_episodes
 
         rl = self.recipe.rl
-        selector = Selector(rl.prompts_per_step, rl.strategy, max_rounds=MAX_ROUNDS)
+        selector = Selector(rl.prompts_per_step, rl.strategy)
         groups: dict[int, list[Any]] = {}
         trajectories: list[Any] = []
         rewards: list[RewardBreakdown] = []

@@ -50,7 +50,6 @@ AGENT_LOOP_CLASS = "pipelines.rl.verl.agent_loop.PyVisionAgentLoop"
 REWARD_PATH = "pkg://pipelines.rl.verl.reward"
 SAMPLER_PATH = "pkg://pipelines.rl.verl.ranking"
 SAMPLER_NAME = "PyVisionReplayBuffer"
-MAX_ROUNDS = 3  # generation rounds per step, as the local engine (pipelines.rl.verl.ranking)
 _SAFE = re.compile(r"^[A-Za-z0-9_./@+:-]+$")
 _NOT_STRINGS = re.compile(r"^([-+]?[0-9._]+([eE][-+]?[0-9]+)?|true|false|null|none|nan|inf)$",
                           re.IGNORECASE)
@@ -215,7 +214,6 @@ def render(recipe: Recipe, *, model: str, paths: VerlPaths, has_val: bool,
           for k, v in strategy.items()],
         Override("trainer.v1.sampler.sampler_kwargs.gen_batch_size",
                  gen_batch_size(rl.prompts_per_step, rl.strategy.oversample_factor), add=True),
-        Override("trainer.v1.sampler.sampler_kwargs.max_rounds", MAX_ROUNDS, add=True),
         Override("trainer.nnodes", verl.nnodes),
         Override("trainer.n_gpus_per_node", verl.gpus_per_node),
         Override("trainer.total_epochs", verl.total_epochs),
