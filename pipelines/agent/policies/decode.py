@@ -155,25 +155,60 @@ def decode_batch(model: Any, ids: Any, attn: Any, vision: dict[str, Any], *, max
     """Generate for every row of a left-padded batch until it stops; see the module docstring.
 
     ``stops(tokens)`` says whether a row's tokens so far end its turn (besides an eos token);
-    ``on_done(i, row)`` is called the moment row ``i`` stops (the others keep decoding).
+    ``on_done(i, row)`` is called the moment row ``i`` stops (the others keep decoding), or at
+    the end for rows cut off by ``max_new_tokens``.
     """
     import torch
     from transformers import DynamicCache
 
     device = ids.device
-    n = ids.shape[0]
-    rows = [Row() for _ in range(n)]
-    live = list(range(n))
+    rows = [Row() for _ in range(ids.shape[0])]
+    live = list(range(ids.shape[0]))  # batch position -> row
     eos = torch.tensor(sorted(eos_ids), device=device)
     suppress_t = torch.tensor(sorted(suppress), device=device, dtype=torch.long)
-    positions = initial_positions(model, ids, attn, vision)
     cache = DynamicCache(config=model.config.get_text_config())
-    layer_class = _growing_layer_class()
-    cache.layers = [layer_class() for _ in cache.layers]
+    cache.layers = [_growing_layer_class()() for _ in cache.layers]
+    positions = initial_positions(model, ids, attn, vision)
+    nxt = positions[:, :, -1] + 1  # [3, B]: text tokens advance every axis by one
+    context = ids  # kept only for logits processors, which see every row's ids so far
     with _use_decode_attention(model):
-        rows = _decode(model, cache, ids, attn, vision, positions, rows, live, eos, suppress_t,
-                       max_new_tokens, temperature, top_p, stops, processors, on_done)
-    if on_done is not None:  # rows cut off by the token limit
+        out = model(input_ids=ids, attention_mask=attn, position_ids=positions,
+                    past_key_values=cache, use_cache=True, logits_to_keep=1,
+                    **{k: v for k, v in vision.items() if k != "mm_token_type_ids"})
+        for _ in range(max_new_tokens):
+            logits = out.logits[:, -1].float()
+            scores = logits.clone()
+            if len(suppress_t):
+                scores[:, suppress_t] = float("-inf")
+            for proc in processors:
+                scores = proc(context, scores)
+            tok, lp = _sample(logits, scores, temperature, top_p)
+            finished = torch.isin(tok, eos).tolist()
+            keep = []
+            for j, (r, t, p) in enumerate(zip(live, tok.tolist(), lp.tolist())):
+                row = rows[r]
+                row.tokens.append(t)
+                row.logprobs.append(p)
+                row.done = finished[j] or stops(row.tokens)
+                if not row.done:
+                    keep.append(j)
+                elif on_done is not None:
+                    on_done(r, row)
+            if not keep:
+                break
+            if len(keep) < len(live):  # the finished rows leave the batch, cache included
+                idx = torch.tensor(keep, device=device)
+                for layer in cache.layers:
+                    layer.batch_select_indices(idx)
+                live = [live[j] for j in keep]
+                tok, attn, nxt, context = tok[idx], attn[idx], nxt[:, idx], context[idx]
+            if processors:
+                context = torch.cat([context, tok[:, None]], dim=1)
+            attn = torch.cat([attn, attn.new_ones((attn.shape[0], 1))], dim=1)
+            out = model(input_ids=tok[:, None], attention_mask=attn,
+                        position_ids=nxt[:, :, None], past_key_values=cache, use_cache=True)
+            nxt = nxt + 1
+    if on_done is not None:
         for i, row in enumerate(rows):
             if not row.done:
                 row.done = True
@@ -181,64 +216,21 @@ def decode_batch(model: Any, ids: Any, attn: Any, vision: dict[str, Any], *, max
     return rows
 
 
-def _decode(model: Any, cache: Any, ids: Any, attn: Any, vision: dict[str, Any], positions: Any,
-            rows: list[Row], live: list[int], eos: Any, suppress_t: Any, max_new_tokens: int,
-            temperature: float, top_p: float, stops: Callable[[list[int]], bool],
-            processors: Sequence[Any], on_done: Callable[[int, Row], None] | None) -> list[Row]:
+def _sample(logits: Any, scores: Any, temperature: float, top_p: float) -> tuple[Any, Any]:
+    """The next token of every row from ``scores`` (logits after suppression and processors),
+    and its log-prob under the unmodified distribution it was sampled from."""
     import torch
 
-    device = ids.device
-    nxt = positions[:, :, -1] + 1  # [3, B]: text tokens advance every axis by one
-    context = ids  # only kept for logits processors, which see every row's ids so far
-    out = model(input_ids=ids, attention_mask=attn, position_ids=positions, past_key_values=cache,
-                use_cache=True, logits_to_keep=1, **{k: v for k, v in vision.items()
-                                                     if k != "mm_token_type_ids"})
-    logits = out.logits[:, -1].float()
-    for _ in range(max_new_tokens):
-        scores = logits.clone()
-        if len(suppress_t):
-            scores[:, suppress_t] = float("-inf")
-        for proc in processors:
-            scores = proc(context, scores)
-        if temperature > 0:
-            logp = torch.log_softmax(logits / temperature, dim=-1)
-            probs = torch.softmax(scores / temperature, dim=-1)
-            if top_p < 1.0:
-                probs = _top_p(probs, top_p)
-            tok = torch.multinomial(probs, 1)[:, 0]
-        else:
-            logp = torch.log_softmax(logits, dim=-1)
-            tok = scores.argmax(-1)
-        lp = logp.gather(-1, tok[:, None])[:, 0]
-        finished = torch.isin(tok, eos).tolist()
-        keep = []
-        for j, (r, t, p) in enumerate(zip(live, tok.tolist(), lp.tolist())):
-            row = rows[r]
-            row.tokens.append(t)
-            row.logprobs.append(p)
-            row.done = finished[j] or stops(row.tokens)
-            if not row.done:
-                keep.append(j)
-            elif on_done is not None:
-                on_done(r, row)
-        if not keep:
-            break
-        if len(keep) < len(live):
-            idx = torch.tensor(keep, device=device)
-            for layer in cache.layers:
-                layer.batch_select_indices(idx)
-            live = [live[j] for j in keep]
-            tok, attn, nxt = tok[idx], attn[idx], nxt[:, idx]
-            if processors:
-                context = context[idx]
-        if processors:
-            context = torch.cat([context, tok[:, None]], dim=1)
-        attn = torch.cat([attn, attn.new_ones((attn.shape[0], 1))], dim=1)
-        out = model(input_ids=tok[:, None], attention_mask=attn, position_ids=nxt[:, :, None],
-                    past_key_values=cache, use_cache=True)
-        logits = out.logits[:, -1].float()
-        nxt = nxt + 1
-    return rows
+    if temperature > 0:
+        logp = torch.log_softmax(logits / temperature, dim=-1)
+        probs = torch.softmax(scores / temperature, dim=-1)
+        if top_p < 1.0:
+            probs = _top_p(probs, top_p)
+        tok = torch.multinomial(probs, 1)[:, 0]
+    else:
+        logp = torch.log_softmax(logits, dim=-1)
+        tok = scores.argmax(-1)
+    return tok, logp.gather(-1, tok[:, None])[:, 0]
 
 
 def _top_p(probs: Any, top_p: float) -> Any:
