@@ -1,6 +1,8 @@
 # Two set-up commands for a fresh machine: `make demo` and `make test`. Both create .venv when it
 # is missing and install the pinned environment (pyproject.toml + constraints.txt) into it.
 PYTHON ?= python3
+# `make demo SEED=N`: the seed of every stage (data, SFT, RL sampling); each seed is its own run.
+SEED ?= 0
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
@@ -17,7 +19,7 @@ install: $(STAMP)
 
 # The main job on the embedded default: offline, CPU, tiny model, synthetic tasks.
 demo: $(STAMP)
-	$(VENV)/bin/pyvision run pipelines/recipes/tiny-cpu.yaml --run-id demo
+	$(VENV)/bin/pyvision run pipelines/recipes/tiny-cpu.yaml --run-id demo-s$(SEED) --set seed=$(SEED)
 
 # The default test run: CPU-only, offline, a few minutes.
 test: $(STAMP)

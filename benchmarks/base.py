@@ -170,6 +170,22 @@ class Benchmark(ABC):
         """A final answer that must score full marks."""
         return task.answer
 
+    def sample_score(self, task: Task, scores: dict[str, float]) -> float:
+        """One sample's value of the headline metric (from ``score``'s output)."""
+        return scores[self.primary_metric]
+
+    def verdict(self, task: Task, prediction: str | None) -> tuple[dict[str, float], float, bool]:
+        """``score``'s metrics, the sample's headline value and whether it counts as right
+        (value >= 0.5): the one answer to "is this right?" that the RL reward and the evaluation
+        both use for this benchmark's tasks."""
+        scores = self.score(task, prediction)
+        value = self.sample_score(task, scores)
+        return scores, value, value >= self.correct_threshold(task)
+
+    def correct_threshold(self, task: Task) -> float:
+        """The headline value from which a sample counts as right."""
+        return 0.5
+
     def score_without_judge(self, task: Task, prediction: str | None) -> dict[str, float]:
         """``score`` with rules only; benchmarks with an LLM judge override it."""
         return self.score(task, prediction)

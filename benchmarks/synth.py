@@ -107,6 +107,14 @@ class _Synth(Benchmark):
             task = task.model_copy(update={"images": list(images or []), "video": video})
         return task
 
+    def sample_score(self, task: Task, scores: dict[str, float]) -> float:
+        """The MRA itself for MRA-scored numbers (what ``reward.accuracy_mode: mra`` trains on)."""
+        return scores.get("mra", scores["accuracy"])
+
+    def correct_threshold(self, task: Task) -> float:
+        mra = task.answer_type == "number" and task.metadata.get("metric") == "mra"
+        return self.mra_threshold if mra else 0.5
+
     def score(self, task: Task, prediction: str | None) -> dict[str, float]:
         verdict = verify(task, prediction, number_rel_tol=self.number_rel_tol,
                          mra_threshold=self.mra_threshold)

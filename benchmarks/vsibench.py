@@ -34,7 +34,7 @@ from benchmarks.base import Benchmark, LoadContext, Sample, mean, require_text
 from benchmarks.scoring import extract_final_answer, extract_number, mean_relative_accuracy
 from benchmarks.sources import HUB_TIMEOUT_S, Row, hub_unreachable_reason, no_hub_error
 from pipelines.data.records import Task
-from pipelines.errors import DataError
+from pipelines.errors import DataError, UserError
 
 PRE_PROMPT = "These are frames of a video."
 MCA_POST_PROMPT = "Answer with the option's letter from the given choices directly."
@@ -80,7 +80,13 @@ class VSIBench(Benchmark):
     include_hints = ("test",)
     exclude_hints = ("debiased", "pruned")
 
-    def __init__(self) -> None:
+    def __init__(self, mra_threshold: float = 0.5) -> None:
+        """``mra_threshold``: from which MRA a numerical answer counts as right (the RL reward's
+        verdict; the official scores are MRA values and do not use it)."""
+        if not 0.0 <= mra_threshold <= 1.0:
+            raise UserError(f"mra_threshold ({mra_threshold}) must lie in [0, 1]",
+                            hint="use the reward's value (reward.mra_threshold)")
+        self.mra_threshold = mra_threshold
         self._zip_index: dict[Path, dict[str, str]] = {}
         self._zips: dict[tuple[Path | None, str], Path | None] = {}
 
@@ -178,6 +184,13 @@ class VSIBench(Benchmark):
         return True
 
     # -- scoring ------------------------------------------------------------------------------
+
+    def sample_score(self, task: Task, scores: dict[str, float]) -> float:
+        return scores[metric_key(task.metadata["question_type"])]
+
+    def correct_threshold(self, task: Task) -> float:
+        """Numerical answers count as right from this MRA on (the paper's reward: 0.5)."""
+        return 0.5 if task.metadata["question_type"] in MCA_QUESTION_TYPES else self.mra_threshold
 
     def score(self, task: Task, prediction: str | None) -> dict[str, float]:
         row = task.metadata["row"]

@@ -27,7 +27,7 @@ def run(
     question: Annotated[str, typer.Option(help="The question to answer.")],
     image: Annotated[list[Path] | None, typer.Option(help="Input image(s): image_clue_0, ...")] = None,
     video: Annotated[Path | None, typer.Option(help="Input video: video_clue_0 (on-demand context).")] = None,
-    served_model: Annotated[str, typer.Option(help="Model name sent to a server URL.")] = "default",
+    served_model: Annotated[str | None, typer.Option(help="Model name sent to a server URL (default: the one model the server lists).", show_default=False)] = None,
     max_turns: Annotated[int | None, typer.Option(help="Most assistant turns [default: agent.max_turns_eval].", min=1)] = None,
     temperature: Annotated[float | None, typer.Option(help="Sampling temperature [default: agent.eval_temperature].", min=0.0)] = None,
     out_dir: Annotated[Path | None, typer.Option(help="Folder for the trajectory and its images [default: a temp dir].")] = None,
@@ -66,7 +66,10 @@ def run(
 
     build_initial_messages(task, Path("/"), variant_for(task, recipe.agent), recipe.agent)  # validates media
     policy = make_policy(model, served_model=served_model, agent_cfg=recipe.agent,
-                         device=recipe.model.device, dtype=recipe.model.dtype)
+                         device=recipe.model.device, dtype=recipe.model.dtype,
+                         client=recipe.eval.client,
+                         url_hint="start it (e.g. `vllm serve MODEL --port 8000`) and pass its "
+                                  "URL to --model", model_hint="pass --served-model NAME")
     (traj,) = list(run_episodes([(task, Path("/"))], policy, recipe.agent, recipe.sandbox,
                                 mode="eval", batch_size=1))
     out = out_dir or Path(tempfile.mkdtemp(prefix="pyvision-agent-"))

@@ -100,6 +100,58 @@ def trajectories(
 
 
 @command(app)
+def distill(
+    teacher: Annotated[str | None, typer.Option(help="Teacher's OpenAI-compatible server URL (vLLM, SGLang, `transformers serve`, a hosted API) (default: data.distill.teacher).", show_default=False)] = None,
+    tasks: Annotated[list[Path] | None, typer.Option(help="Task folder (tasks.jsonl + media); repeatable.", show_default=False)] = None,
+    out: Annotated[Path | None, typer.Option(help="Output folder: samples/, conversations.jsonl, media/, the LLaMA-Factory export, card.json / card.md.", show_default=False)] = None,
+    served_model: Annotated[str | None, typer.Option(help="Model name sent to the teacher (default: the one model it lists).", show_default=False)] = None,
+    k: Annotated[int | None, typer.Option("--k", help="Samples per task (default: data.distill.k).", show_default=False)] = None,
+    max_per_task: Annotated[int | None, typer.Option(help="Most kept per task (default: data.distill.max_per_task).", show_default=False)] = None,
+    concurrency: Annotated[int | None, typer.Option(help="Requests in flight (default: data.distill.concurrency).", show_default=False)] = None,
+    limit: Annotated[int | None, typer.Option(help="Only the first N tasks.", min=1, show_default=False)] = None,
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    store: StoreOpt = None,
+    force: Annotated[bool, typer.Option("--force", help="Discard the samples already drawn in --out and draw again.")] = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """SFT data from a teacher model: our agent loop with the teacher as policy, K samples per
+    task, kept only when verified (right answer, code ran, exact format, within limits), then
+    selected; resumable."""
+    from pipelines.errors import UserError
+
+    if not tasks:
+        raise UserError("--tasks is required", hint="e.g. pyvision data distill --teacher "
+                        "http://localhost:8000 --tasks data/synth --out data/distill")
+    if out is None:
+        raise UserError("--out is required", hint="pass the folder to write the distilled data to")
+    overrides = list(set_ or [])
+    for key, value in (("k", k), ("max_per_task", max_per_task), ("concurrency", concurrency)):
+        if value is not None:
+            overrides.append(f"data.distill.{key}={value}")
+    recipe = load_recipe(config, overrides)
+    if not (teacher or recipe.data.distill.teacher):
+        raise UserError("no teacher to distill from", hint="pass --teacher URL (e.g. "
+                        "http://localhost:8000 for `vllm serve MODEL --port 8000`)")
+    for folder in tasks:
+        if not folder.exists():
+            raise UserError(f"tasks folder not found: {folder}",
+                            hint="pass a folder holding tasks.jsonl (`pyvision data synth`)")
+    from pipelines.data.distill import distill as run_distill
+    from pipelines.store import Store
+
+    card = run_distill(recipe, list(tasks), out, teacher=teacher, served_model=served_model,
+                       store=Store(store), force=force, limit=limit)
+    s, sel = card["samples"], card["selection"]
+    rate = "-" if s["acceptance"] is None else f"{100 * s['acceptance']:.1f}%"
+    err.print(f"[green]distilled[/] {card['tasks']['tried']} tasks: {s['drawn']} samples, "
+              f"{s['accepted']} verified ({rate}), {sel['kept']} kept; rejected: "
+              f"{s['rejected'] or 'none'}; card: {out / 'card.md'}", soft_wrap=True)
+    if json_out:
+        print_json(card)
+
+
+@command(app)
 def export(
     fmt: Annotated[Literal["llamafactory", "verl"], typer.Option("--format", help="Target trainer's format.")],
     source: Annotated[list[Path], typer.Option(help="Conversations folder(s) (llamafactory) or tasks folder(s) (verl).")],

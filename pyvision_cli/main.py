@@ -29,6 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "merge": ("pyvision_cli.merge", "Merge a LoRA adapter or a verl checkpoint into a model."),
     "eval": ("pyvision_cli.eval", "Evaluate agentically on V*, HRBench, MathVerse, VSI-Bench."),
     "report": ("pyvision_cli.report", "Results tables, training curves and an HTML report."),
+    "show": ("pyvision_cli.show", "Show trajectories in the terminal: a sample, or what changed."),
     "agent": ("pyvision_cli.agent", "Run one agent trajectory and show it turn by turn."),
     "sandbox": ("pyvision_cli.sandbox", "Run code in the sandbox the agent uses."),
     "model": ("pyvision_cli.model", "Build models (a tiny offline Qwen2.5-VL)."),

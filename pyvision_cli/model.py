@@ -7,9 +7,21 @@ from typing import Annotated, Literal
 
 import typer
 
-from pyvision_cli.common import JsonOpt, command, err, make_app, print_json
+from pyvision_cli.common import (
+    ConfigOpt,
+    ForceOpt,
+    JsonOpt,
+    RunIdOpt,
+    SetOpt,
+    StoreOpt,
+    command,
+    err,
+    load_recipe,
+    make_app,
+    print_json,
+)
 
-app = make_app("Build models (a tiny offline Qwen2.5-VL).", group=True)
+app = make_app("Build, pretrain and probe the tiny offline Qwen2.5-VL.", group=True)
 
 
 @command(app)
@@ -38,3 +50,80 @@ def tiny(
               f"{info['disk_bytes'] / 1e6:.1f} MB, {info['seconds']} s")
     if json_out:
         print_json(info)
+
+
+@command(app)
+def pretrain(
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    out: Annotated[Path | None, typer.Option(
+        help="Folder for the finished model [default: runs/<run-id>/pretrain/model]; "
+             "pipelines/models/weights/tiny-small remakes the shipped base.",
+        show_default=False)] = None,
+    run_id: RunIdOpt = None,
+    store: StoreOpt = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue from the last checkpoint.")] = False,
+    force: ForceOpt = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Pretrain the tiny Qwen2.5-VL from random weights on the generated curriculum.
+
+    Size and seed come from `model.tiny`, the schedule from `model.pretrain` (`--set
+    model.pretrain.steps=500`). Checkpoints and the resolved config live in
+    runs/<run-id>/pretrain/; loss per curriculum family streams into the store.
+    """
+    from pipelines.models.pretrain import pretrain as run_pretrain
+    from pipelines.rundir import stage_dir
+    from pipelines.store import Store
+
+    recipe = load_recipe(config, set_)
+    tiny = recipe.model.tiny
+    if tiny is None:
+        from pipelines.errors import UserError
+
+        raise UserError("the recipe has no `model.tiny` section to pretrain",
+                        hint="use the default recipe, or --set model.tiny.size=small")
+    st = Store(store)
+    sd = stage_dir(recipe, "pretrain", run_id or f"pretrain-{tiny.size}-s{tiny.seed}",
+                   runs_dir=None, store=st, recipe_path=str(config) if config else None)
+    target = out or sd.path / "model"
+    if sd.is_complete() and not force and not resume:
+        err.print(f"pretraining of run '{sd.run_id}' already finished ({sd.manifest_path}); "
+                  "pass --force to redo it")
+        if json_out:
+            print_json(sd.manifest())
+        return
+    sd.begin(force=force and not resume)
+    try:
+        manifest = run_pretrain(recipe.model.pretrain, size=tiny.size, seed=tiny.seed,
+                                out=target, work=sd.path, store=st, run_id=sd.run_id,
+                                resume=resume)
+    except BaseException as exc:
+        sd.fail(str(exc))
+        raise
+    sd.finish({"model": str(target)}, {"final_loss": manifest["final_loss"],
+                                       **{f"probe/{k}": v for k, v in manifest["probe"].items()}})
+    probe = ", ".join(f"{k} {v:.2f}" for k, v in manifest["probe"].items())
+    err.print(f"[green]pretrained[/] {target}: loss {manifest['final_loss']:.3f}; probe: {probe}")
+    if json_out:
+        print_json(manifest)
+
+
+@command(app)
+def probe(
+    model: Annotated[Path, typer.Argument(help="Model folder to probe.")],
+    n: Annotated[int, typer.Option(help="Held-out items per skill.", min=1, max=10_000)] = 100,
+    seed: Annotated[int, typer.Option(help="Seed of the held-out items.", min=0)] = 1,
+    json_out: JsonOpt = False,
+) -> None:
+    """What a base can do before SFT: copy, colour copy into code, read-back, image-text match."""
+    from pipelines.models.probe import probe_path
+
+    with err.status(f"probing {model} ..."):
+        result = probe_path(model, n=n, seed=seed)
+    for skill, score in result["scores"].items():
+        need = result["thresholds"][skill]
+        mark = "[green]ok[/]" if score >= need else "[red]below[/]"
+        err.print(f"{skill:12s} {score:.2f}  (threshold {need:.2f}) {mark}")
+    if json_out:
+        print_json(result)

@@ -94,3 +94,25 @@ def perf_rl(
                   f"thread(s)): rollout {r['trajectories_per_s']} trajectories/s "
                   f"({r['generated_tokens_per_s']} generated tokens/s); update "
                   f"{u['tokens_per_s']} training tokens/s ({u['model_tokens_per_s']} model tokens/s)")
+
+
+@command(app, "report")
+def perf_report(
+    samples: Annotated[int, typer.Option(help="Evaluated samples in the store (over 3 models, 2 benchmarks).", min=3)] = 2000,
+    browser: Annotated[bool, typer.Option(help="Also time headless Chromium loading the page (when installed).")] = True,
+    json_out: JsonOpt = False,
+) -> None:
+    """The report with trajectory pages for thousands of samples: reading the store, rendering
+    the page, writing thumbnails, the whole `write_report`, and a browser drawing the page."""
+    from pipelines.perf.report import run_benchmark
+
+    with err.status(f"filling a store with {samples} samples and timing the report ..."):
+        result = run_benchmark(samples, browser=browser)
+    if json_out:
+        print_json(result)
+    else:
+        err.print(f"{result['samples']} samples, {result['thumbnails']} thumbnails: read "
+                  f"{result['collect_s']} s, page {result['page_s']} s "
+                  f"({result['page_mb']} MB), thumbnails {result['media_s']} s "
+                  f"({result['media_mb']} MB), whole report {result['report_s']} s, browser "
+                  f"{result['browser_s'] if result['browser_s'] is not None else '-'} s")

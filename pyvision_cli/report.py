@@ -49,43 +49,44 @@ def report(
         err.print(f"{kind}: {path}")
 
 
-def print_results(store, runs: list[str] | None) -> None:
-    """The results table (runs x models by benchmarks, primary metric) and the paired model
-    comparisons on stderr."""
+def print_results(store, runs: list[str] | None, console=None, *, headline: bool = True) -> None:
+    """The headline (one sentence per comparison), the results table (runs x models by
+    benchmarks, primary metric), the paired model comparisons and the samples whose verdict
+    changed, on stderr."""
     from rich.markup import escape
 
     from pipelines.report import (
+        CHANGES_HEADER,
         COMPARISON_HEADER,
         SCORING_HEADER,
+        change_rows,
         collect,
         comparison_rows,
         fallback_notes,
         results_table,
         scoring_rows,
     )
+    from pipelines.report.terminal import print_headline, print_table
 
+    console = console or err
     with store.session():  # one connection for every read: the lock is held once, briefly
         data = collect(store, runs)
+    if headline:
+        from pipelines.report import headline as sentences
+
+        print_headline(sentences(data), console)
     header, rows = results_table(data)
     if rows:
-        _print_table("results (primary metric, %)", header, rows)
+        print_table("results (primary metric, %)", header, rows, console)
     else:
-        err.print("no evaluation results in the store for these runs")
+        console.print("no evaluation results in the store for these runs")
     for note in fallback_notes(data):
-        err.print(f"[yellow]{escape(note)}[/]", soft_wrap=True, highlight=False)
+        console.print(f"[yellow]{escape(note)}[/]", soft_wrap=True, highlight=False)
     if data.scoring:
-        _print_table("who scored the samples", SCORING_HEADER, scoring_rows(data))
+        print_table("who scored the samples", SCORING_HEADER, scoring_rows(data), console)
     if data.comparisons:
-        _print_table("paired comparisons (ahead/behind only when the 95% interval excludes 0)",
-                     COMPARISON_HEADER, comparison_rows(data))
-
-
-def _print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
-    from rich.table import Table
-
-    table = Table(title=title)
-    for h in header:
-        table.add_column(h)
-    for row in rows:
-        table.add_row(*row)
-    err.print(table)
+        print_table("paired comparisons (ahead/behind only when the 95% interval excludes 0)",
+                    COMPARISON_HEADER, comparison_rows(data), console)
+    if any(c["fixed"] or c["broken"] or c["changed"] for c in data.verdict_changes):
+        print_table("samples whose verdict changed (pyvision show RUN --changed BASELINE MODEL)",
+                    CHANGES_HEADER, change_rows(data), console)

@@ -39,10 +39,10 @@ def run(
     """Finished stages are skipped; an interrupted run continues where it stopped."""
     import time
 
-    from rich.table import Table
-
+    from pipelines.report.terminal import print_headline, print_table
     from pipelines.run import run_pipeline
     from pipelines.store import Store
+    from pyvision_cli.report import print_results
 
     cfg = load_recipe(recipe, set_)
     st = Store(store)
@@ -50,20 +50,20 @@ def run(
     summary = run_pipeline(cfg, store=st, run_id=run_id, recipe_path=str(recipe),
                            from_stage=from_stage, until_stage=until_stage, force=force)
     rid = run_id or cfg.name
-    table = Table(title=f"run '{rid}' ({time.monotonic() - start:.0f} s)")
-    table.add_column("stage")
-    table.add_column("status")
-    table.add_column("seconds", justify="right")
-    table.add_column("highlights")
+    if "eval" in summary:
+        # The end of the run opens with what a person wants to know first.
+        from pipelines.report import collect, headline
+
+        print_headline(headline(collect(st, [rid])))
+    rows = []
     for stage, info in summary.items():
         highlights = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
-                               for k, v in info.items() if k not in ("status", "seconds"))[:160]
-        table.add_row(stage, info["status"], str(info.get("seconds", "-")), highlights)
-    err.print(table)
+                               for k, v in info.items() if k not in ("status", "seconds"))
+        rows.append([stage, info["status"], str(info.get("seconds", "-")), highlights])
+    print_table(f"run '{rid}' ({time.monotonic() - start:.0f} s)",
+                ["stage", "status", "seconds", "highlights"], rows)
     if "eval" in summary:
-        from pyvision_cli.report import print_results
-
-        print_results(st, [rid])
+        print_results(st, [rid], headline=False)
     report = Path(cfg.runs_dir) / rid / "report" / "report.html"
     if report.exists():
         err.print(f"report: {report}")

@@ -47,11 +47,13 @@ class FakeOpenAI:
 
     ``respond(request_body) -> (status, payload)`` answers each POST; with ``threaded`` it runs on
     one thread per request, so a test can check that a client really sends requests concurrently.
-    GET answers the model list. Parsed requests are kept in ``requests``. A context manager.
-    ``port`` 0 picks a free one; a given port brings a stopped endpoint back where it was."""
+    GET answers the model list (``models``: its entries, default one named ``model``). A payload
+    that is ``bytes`` is sent as it is (garbage). Parsed requests are kept in ``requests``. A
+    context manager. ``port`` 0 picks a free one; a given port brings a stopped endpoint back
+    where it was."""
 
     def __init__(self, respond, *, threaded: bool = False, model: str = "qwen",
-                 port: int = 0) -> None:
+                 port: int = 0, models: list[dict] | None = None) -> None:
         import threading
         from http.server import BaseHTTPRequestHandler, HTTPServer, ThreadingHTTPServer
 
@@ -59,16 +61,18 @@ class FakeOpenAI:
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
-            def _send(self, status: int, payload: dict) -> None:
-                data = json.dumps(payload).encode()
+            def _send(self, status: int, payload: dict | bytes) -> None:
+                raw = isinstance(payload, bytes)
+                data = payload if raw else json.dumps(payload).encode()
                 self.send_response(status)
-                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Type", "text/html" if raw else "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)
 
             def do_GET(self):
-                self._send(200, {"object": "list", "data": [{"id": model}]})
+                listed = models if models is not None else [{"id": model}]
+                self._send(200, {"object": "list", "data": listed})
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")

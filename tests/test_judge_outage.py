@@ -179,11 +179,12 @@ class _StubJudge:
 def test_hrbench_records_who_decided(prediction: str, verdict: float | None, scored_by: str,
                                      score: float) -> None:
     from benchmarks.hrbench import HRBench4K
+    from pipelines.config.reward import RewardConfig
     from pipelines.eval.judging import scoring_for
     from tests.test_benchmarks import hrbench_rows
 
     judge = _StubJudge(verdict)
-    scoring = scoring_for("hrbench4k", judge, JUDGE_MODEL)
+    scoring = scoring_for("hrbench4k", judge, JUDGE_MODEL, RewardConfig())
     task = HRBench4K().task_from_row(hrbench_rows()[0], images=[])
     scores, by = scoring.score(task, prediction)
     assert (by, scores["average"]) == (scored_by, score)

@@ -14,7 +14,7 @@ from pipelines.run import run_pipeline
 from pipelines.store import Store
 
 REDUCED = [
-    "model.tiny.size=nano",
+    "model.tiny.size=nano", "model.tiny.init=random",
     "data.synth.image_search.n_train=10", "data.synth.image_search.n_heldout=4",
     "data.synth.video.n_train=6", "data.synth.video.n_heldout=3",
     "sft.max_steps=3", "sft.per_device_train_batch_size=2", "sft.save_steps=100",

@@ -8,7 +8,7 @@ import torch
 from pipelines.config.reward import JudgeConfig, RewardConfig
 from pipelines.config.rl import AlgorithmConfig, StrategyConfig
 from pipelines.data.records import Task
-from pipelines.rl.algos import grpo_advantages, kl_loss, policy_loss
+from pipelines.rl.algos import kl_loss, policy_loss
 from pipelines.rl.judge import Judge, family_of, judge_prompt
 from pipelines.rl.rewards import compute_reward
 from pipelines.rl.strategy import Group, Rollout, Selector, broken_reason, select_groups
@@ -35,7 +35,7 @@ def reward(task, answer, calls=2, chars=None, well_formed=True, **cfg):
 def test_correct_answer_gets_accuracy_and_tool_bonus():
     r = reward(COUNT, "3", calls=2)
     assert (r.accuracy, r.tool, r.correct) == (1.0, pytest.approx(0.2), True)
-    assert r.total == pytest.approx(1.2) and r.scorer.startswith("number")
+    assert r.total == pytest.approx(1.2) and r.scorer.startswith("synth-image")
 
 
 def test_tool_bonus_only_when_correct():
@@ -168,12 +168,12 @@ def test_all_broken_group_is_empty():
 
 
 def test_selector_generates_until_enough_survive():
-    sel = Selector(2, StrategyConfig(), max_rounds=5)
+    sel = Selector(2, StrategyConfig(max_rounds=5))
     sel.add([group(0, [1, 1]), group(1, [0, 1])])
     assert not sel.ready
     sel.add([group(2, [0, 1])])
     assert sel.ready and [g.prompt_index for g, _ in sel.select().kept] == [1, 2]
-    capped = Selector(10, StrategyConfig(), max_rounds=1)
+    capped = Selector(10, StrategyConfig(max_rounds=1))
     capped.add([group(0, [0, 0])])
     assert capped.ready and capped.select().kept == []
 
@@ -188,17 +188,29 @@ def test_broken_reason_mapping():
 # -- algorithm vs verl ---------------------------------------------------------------------------
 
 
-def test_group_advantages_match_verl():
-    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 1]])
-    adv = grpo_advantages([1, 0, 0, 1], [7, 7, 7, 7], mask)
-    assert adv[:, 0].tolist() == pytest.approx([0.5, -0.5, -0.5, 0.5])
+def _verl_advantages(rewards, norm_by_std):
+    """verl's own GRPO outcome advantage, one scalar reward per response on its last token."""
+    import numpy as np
+    from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
+
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 1], [1, 1, 1]])[: len(rewards)]
+    scores = torch.zeros_like(mask, dtype=torch.float32)
+    for i, r in enumerate(rewards):
+        scores[i, int(mask[i].sum()) - 1] = r
+    adv, _ = compute_grpo_outcome_advantage(
+        token_level_rewards=scores, response_mask=mask.float(),
+        index=np.array(["g"] * len(rewards), dtype=object), norm_adv_by_std_in_grpo=norm_by_std)
     assert (adv * (1 - mask)).abs().sum() == 0  # nothing on padding
-    normed = grpo_advantages([1, 0, 0, 1], [7, 7, 7, 7], mask, norm_by_std=True)
-    std = torch.tensor([1.0, 0, 0, 1]).std()
-    assert normed[0, 0].item() == pytest.approx(0.5 / (std.item() + 1e-6))
-    g = group(0, [1, 0, 0, 1])
-    assert g.advantages(False) == pytest.approx(adv[:, 0].tolist())
-    assert g.advantages(True) == pytest.approx(normed[:, 0].tolist(), rel=1e-5)
+    return adv[:, 0].tolist()
+
+
+@pytest.mark.parametrize("rewards", [[1, 0, 0, 1], [1.2, -0.5, 0.0, 1.1, 0.3]])
+def test_group_advantages_match_verl(rewards):
+    # The engine's advantages (the ones that train) against verl's implementation.
+    g = group(0, rewards)
+    assert g.advantages(False) == pytest.approx(_verl_advantages(rewards, False), rel=1e-5)
+    assert g.advantages(True) == pytest.approx(_verl_advantages(rewards, True), rel=1e-5)
+    assert g.advantages(False)[:4] != pytest.approx(g.advantages(True)[:4])
 
 
 def test_policy_loss_matches_hand_computation():

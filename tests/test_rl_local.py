@@ -372,7 +372,8 @@ def test_cli_rl_local_then_resume_is_a_no_op(tiny_model_dir, rl_tasks, tmp_path)
 # a 0.4M-parameter model needs make it drift (tool calls fell from 0.7 to 0.24 per trajectory in
 # 12 steps). A format penalty gives the reward a dense signal; accuracy then rises with it.
 IMPROVE = [
-    "seed=0", "model.tiny.size=nano", "model.device=cpu", "model.dtype=float32",
+    "seed=0", "model.tiny.size=nano", "model.tiny.init=random", "model.device=cpu",
+    "model.dtype=float32",
     "data.synth.image_search.n_train=120", "data.synth.image_search.n_heldout=0",
     "data.synth.image_search.families=[count]", "data.synth.video.n_train=0",
     "data.synth.video.n_heldout=0", "data.synth.sft_fraction=0.5", "data.copy_drills=0",

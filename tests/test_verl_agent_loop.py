@@ -194,8 +194,13 @@ class TinyModelServer(ScriptedServer):
         if image_data:
             feats = self.processor.image_processor(images=image_data, return_tensors="pt",
                                                    **(kwargs.get("mm_processor_kwargs") or {}))
+            # vLLM places image tokens with 3-D (mRoPE) positions; so does this stand-in.
+            from pipelines.agent.policies.tokens import mm_token_type_ids
+
             inputs.update(pixel_values=feats["pixel_values"],
-                          image_grid_thw=feats["image_grid_thw"])
+                          image_grid_thw=feats["image_grid_thw"],
+                          mm_token_type_ids=mm_token_type_ids(inputs["input_ids"],
+                                                              self.model.config))
         with torch.no_grad():
             out = self.model.generate(
                 **inputs, attention_mask=torch.ones_like(inputs["input_ids"]),

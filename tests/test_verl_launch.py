@@ -356,11 +356,16 @@ def test_reward_entry_through_verls_naive_reward_manager(tiny_model_dir, tmp_pat
                 "It is blue.\n<answer>\n\\boxed{B}\n</answer>")
         r = score(choice, text, None)
         assert (r["score"], r["parsed_from_text"]) == (pytest.approx(1.1), 1.0)
-        # Free-text answers go to the judge (a test server that says "consistent").
-        text_task = Task(id="t", data_source="synth/image-search", question="What is left of the cup?",
-                         answer="a small red ball", answer_type="text")
+        # Free-text answers of a training set go to the judge (a test server that says
+        # "consistent"); a benchmark's task is scored as its evaluation scores it (rules here).
+        text_task = Task(id="t", data_source="deepeyes/visual_search",
+                         question="What is left of the cup?", answer="a small red ball",
+                         answer_type="text")
         r = score(text_task, "", dict(loop, final_answer="the red sphere", successful_calls=1))
         assert (r["score"], r["judged"], r["judge_fallback"]) == (pytest.approx(1.1), 1.0, 0.0)
+        synth_text = text_task.model_copy(update={"data_source": "synth/image-search"})
+        r = score(synth_text, "", dict(loop, final_answer="the red sphere", successful_calls=1))
+        assert (r["score"], r["judged"]) == (0.0, 0.0)
     finally:
         server.close()
 

@@ -8,7 +8,10 @@ from the queue (continuous batching). Finished trajectories are yielded as soon 
 so evaluation can store each one immediately and resume after an interruption.
 
 The loop is deterministic for a deterministic policy: the next generation call starts only after
-every sandbox call of the iteration has returned, so scheduling never depends on timing.
+every sandbox call of the iteration has returned, so scheduling never depends on timing. A policy
+that reports each turn as it ends (``on_done``, the in-process policy) lets an episode's code start
+in the sandbox while the rest of the batch is still generating; what the code returns is the same,
+only sooner.
 
 Stop reasons: ``answered``, ``max_turns``, ``context_overflow`` (the context reached the token
 limit), ``image_limit`` (showing more images would exceed ``max_images``),
@@ -17,6 +20,7 @@ limit), ``image_limit`` (showing more images would exceed ``max_images``),
 
 from __future__ import annotations
 
+import inspect
 import io
 import time
 from collections import deque
@@ -83,6 +87,9 @@ def run_episodes(items: Iterable[tuple[Task, Path]], policy: Policy, agent_cfg: 
         t.prompt_tokens, t.generated_tokens = counts["prompt"], counts["generated"]
         t.observation_tokens, t.visual_tokens = counts["observation"], counts["visual"]
         t.trace = policy.trace(ep.handle)
+        usage = getattr(policy, "request_usage", None)
+        if usage is not None:
+            t.request_usage = usage(ep.handle)
         t.total_s = time.monotonic() - ep.start
         policy.end(ep.handle)
         if ep.sandbox is not None:
@@ -110,9 +117,12 @@ def run_episodes(items: Iterable[tuple[Task, Path]], policy: Policy, agent_cfg: 
     def run_code(ep: Episode) -> Any:
         if ep.sandbox is None:
             ep.sandbox = Sandbox(sandbox_cfg, images=ep.runtime_media["images"],
-                                 videos=ep.runtime_media["videos"])
+                                 videos=ep.runtime_media["videos"],
+                                 context_pixels=(agent_cfg.image_min_pixels,
+                                                 agent_cfg.image_max_pixels))
         return ep.sandbox.run(ep.pending_code or "")
 
+    streams = policy is not None and "on_done" in inspect.signature(policy.generate).parameters
     try:
         while queue or active:
             while queue and len(active) < batch_size:
@@ -127,12 +137,24 @@ def run_episodes(items: Iterable[tuple[Task, Path]], policy: Policy, agent_cfg: 
             room = min(agent_cfg.max_context_tokens - policy.context_tokens(e.handle) for e in active)
             step = Sampling(max(1, min(sampling.max_new_tokens, room)), sampling.temperature,
                             sampling.top_p)
+            early: dict[int, Any] = {}
+
+            def started(i: int, gen: Any, batch: list[Episode] = active,
+                        early: dict[int, Any] = early) -> None:
+                """Run a finished turn's code at once, while the others still generate."""
+                parsed = parse_turn(gen.text)
+                if parsed.kind == "code":
+                    batch[i].pending_code = parsed.code
+                    early[i] = pool.submit(run_code, batch[i])
+
             t0 = time.monotonic()
-            gens = policy.generate([e.handle for e in active], step)
+            gens = (policy.generate([e.handle for e in active], step, on_done=started) if streams
+                    else policy.generate([e.handle for e in active], step))
             gen_s = time.monotonic() - t0
             coding: list[Episode] = []
+            running: list[Any] = []
             still: list[Episode] = []
-            for ep, gen in zip(active, gens):
+            for i, (ep, gen) in enumerate(zip(active, gens)):
                 ep.traj.generation_s += gen_s / len(active)
                 parsed = parse_turn(gen.text)
                 turn = Turn(assistant=gen.text, finish=gen.finish)
@@ -144,11 +166,12 @@ def run_episodes(items: Iterable[tuple[Task, Path]], policy: Policy, agent_cfg: 
                     turn.code = parsed.code
                     ep.pending_code = parsed.code
                     coding.append(ep)
+                    running.append(early[i] if i in early else pool.submit(run_code, ep))
                 elif policy.context_tokens(ep.handle) >= agent_cfg.max_context_tokens:
                     finish(ep, "context_overflow")
                 else:
                     finish(ep, "no_code_nor_answer")
-            results = list(pool.map(run_code, coding))
+            results = [f.result() for f in running]
             for ep, res in zip(coding, results):
                 t = ep.traj
                 turn = t.turns[-1]

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from pipelines.agent.protocol import merge_text_parts
+from pipelines.agent.sandbox._zygote import smart_resize
 from pipelines.config.agent import AgentConfig
 from pipelines.data.records import Task
 from pipelines.errors import DataError
@@ -52,28 +53,6 @@ def variant_for(task: Task, agent_cfg: AgentConfig, override: str | None = None)
     if task.video:
         return "video" if agent_cfg.video_context == "on_demand" else "video_frames"
     return "image" if task.images else "image_noinit"
-
-
-def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = 3136,
-                 max_pixels: int = 2_000_000) -> tuple[int, int]:
-    """Qwen2-VL's resize rule: sides rounded to multiples of ``factor``, area within bounds.
-
-    The same arithmetic as ``qwen_vl_utils.smart_resize`` (checked by a test), without importing
-    that package, which pulls in torchvision (seconds of start-up).
-    """
-    import math
-
-    h_bar = max(factor, round(height / factor) * factor)
-    w_bar = max(factor, round(width / factor) * factor)
-    if h_bar * w_bar > max_pixels:
-        beta = math.sqrt((height * width) / max_pixels)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
-        h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width * beta / factor) * factor
-    return h_bar, w_bar
 
 
 def resize_for_context(image: Any, min_pixels: int, max_pixels: int) -> Any:

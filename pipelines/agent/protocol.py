@@ -96,6 +96,62 @@ def truncate_at_code_stop(text: str) -> str:
     return text if i < 0 else text[: i + len(CODE_STOP)]
 
 
+def stopped_inside_code(text: str) -> bool:
+    """True when ``text`` ends inside an open ``<code>`` block with no answer after it: what a
+    turn looks like when a server stopped at ``</code>`` and dropped the stop string."""
+    start = text.rfind("<code>")
+    return start >= 0 and CODE_STOP not in text[start:] and "<answer>" not in text[start:]
+
+
+_CHAT_MARKERS = ("<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|vision_start|>",
+                 "<|image_pad|>")
+
+
+def format_problems(turns: list[str]) -> list[str]:
+    """What keeps the assistant turns of a finished trajectory from the exact protocol (empty
+    when every turn is exact): each turn but the last is reasoning then exactly one
+    ``<code>```python ... ```</code>`` block and nothing after it; the last is reasoning then
+    exactly one ``<answer>...\\boxed{...}...</answer>`` and nothing after it; no turn writes an
+    ``<interpreter>`` turn of its own or a chat-template marker.
+
+    Parsing (:func:`parse_turn`) is tolerant, so a small model's near misses still run; SFT
+    data must not teach them."""
+    out: list[str] = []
+    if not turns:
+        return ["no assistant turn"]
+    for i, text in enumerate(turns, start=1):
+        last = i == len(turns)
+        where = f"turn {i}"
+        if not text.strip():
+            out.append(f"{where} is empty")
+            continue
+        if any(m in text for m in _CHAT_MARKERS):
+            out.append(f"{where} has a chat-template marker")
+        if "<interpreter>" in text or "</interpreter>" in text:
+            out.append(f"{where} writes an <interpreter> turn itself")
+        n_open, n_close = text.count("<code>"), text.count(CODE_STOP)
+        n_ans, n_ans_close = text.count("<answer>"), text.count("</answer>")
+        if last:
+            if n_open or n_close:
+                out.append(f"{where} (the answer) has a code block")
+            if n_ans != 1 or n_ans_close != 1:
+                out.append(f"{where} has {n_ans} <answer> and {n_ans_close} </answer> tags")
+            elif not text.rstrip().endswith("</answer>"):
+                out.append(f"{where} goes on after </answer>")
+            else:
+                raw = text[text.find("<answer>") + len("<answer>"): text.find("</answer>")]
+                if len(_BOXED_RE.findall(raw)) != 1 or last_boxed(raw) is None:
+                    out.append(f"{where}: the answer is not one \\boxed{{...}}")
+        else:
+            if n_ans or n_ans_close:
+                out.append(f"{where} answers before its code ran")
+            if n_open != 1 or n_close != 1:
+                out.append(f"{where} has {n_open} <code> and {n_close} </code> tags")
+            elif not text.rstrip().endswith(CODE_STOP) or len(_CODE_BLOCK_RE.findall(text)) != 1:
+                out.append(f"{where}: the code is not one <code>```python ... ```</code> block")
+    return out
+
+
 def parse_turn(text: str) -> ParsedTurn:
     answer, raw = extract_answer(text)
     if answer is not None:

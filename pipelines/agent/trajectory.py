@@ -72,6 +72,7 @@ class Trajectory:
     total_s: float = 0.0
     sample_index: int = 0                 # rollout number within its group
     group_index: int = 0                  # position of the task in the request
+    request_usage: dict[str, float] | None = None  # remote policies: tokens billed, cost if reported
     images: list[Any] = field(default_factory=list, repr=False)  # PIL: prompt images, then figures
     trace: TokenTrace | None = field(default=None, repr=False)
 
@@ -110,6 +111,25 @@ class Trajectory:
             data["image_files"].append(name)
         (out / "trajectory.json").write_text(json.dumps(data, indent=2, default=str) + "\n")
         return out / "trajectory.json"
+
+    @classmethod
+    def load(cls, directory: str | Path, *, images: bool = True) -> Trajectory:
+        """The trajectory :meth:`save` wrote into ``directory`` (with ``images``, opened from its
+        PNGs; never the token trace)."""
+        from PIL import Image
+
+        root = Path(directory)
+        data = json.loads((root / "trajectory.json").read_text(encoding="utf-8"))
+        names = {f.name for f in fields(cls)} - {"images", "trace", "turns"}
+        traj = cls(**{k: v for k, v in data.items() if k in names})
+        for t in data.get("turns", []):
+            result = ToolResult(**t["result"]) if t.get("result") else None
+            traj.turns.append(Turn(**{**t, "result": result}))
+        for name in data.get("image_files", []) if images else []:
+            with Image.open(root / name) as img:
+                img.load()
+                traj.images.append(img.convert("RGB"))
+        return traj
 
     def to_conversation(self, conv_id: str, media_dir: Path, rel_prefix: str = "") -> Conversation:
         """The trajectory as an SFT conversation; images are written to ``media_dir`` as PNG.

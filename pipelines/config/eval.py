@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field
 
 from pipelines.config.base import Section
+from pipelines.config.client import ClientConfig
 
 
 class EvalConfig(Section):
@@ -34,3 +35,6 @@ class EvalConfig(Section):
 
     batch_size: int = Field(8, ge=1, le=4096)
     """Trajectories advanced together by the in-process engines."""
+
+    client: ClientConfig = ClientConfig()
+    """How `engine: openai` talks to its server: server kind, per-request timeout, retries."""

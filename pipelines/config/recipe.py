@@ -7,8 +7,9 @@ live in ``pipelines/recipes/`` and are validated by ``tests/test_config.py``.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from pipelines.config.agent import AgentConfig
 from pipelines.config.base import Section
@@ -67,6 +68,16 @@ class Recipe(Section):
 
     report: ReportConfig = ReportConfig()
     """Report stage."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_seed(cls, data: Any) -> Any:
+        """The SFT trainer follows the global seed unless `sft.seed` is set, so `--set seed=N`
+        (and `make demo SEED=N`) changes every stage."""
+        if isinstance(data, dict) and isinstance(data.get("sft", {}), dict) \
+                and "seed" not in data.get("sft", {}):
+            data = {**data, "sft": {**data.get("sft", {}), "seed": data.get("seed", 0)}}
+        return data
 
 
 def load_recipe(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:

@@ -28,6 +28,10 @@ class StrategyConfig(Section):
     """Keep the groups with the highest reward std (ties broken by prompt index); off: keep the
     first groups in generation order."""
 
+    max_rounds: int = Field(3, ge=1, le=100)
+    """Generation rounds per step before training on whatever survived the filters: bounds the
+    cost of a step whose groups nearly all have zero variance (both engines)."""
+
 
 class AlgorithmConfig(Section):
     """GRPO advantage and PPO-clip loss."""

@@ -105,8 +105,8 @@ class SFTConfig(Section):
     save_steps: int = Field(500, ge=1, le=10_000_000)
     """Save a checkpoint every N steps (what `--resume` continues from)."""
 
-    seed: int = Field(42, ge=0, le=2**31 - 1)
-    """Trainer seed."""
+    seed: int = Field(0, ge=0, le=2**31 - 1)
+    """Trainer seed; in a recipe it defaults to the recipe's global `seed`."""
 
     extra: dict[str, str | int | float | bool] = {}
     """Extra LLaMA-Factory keys passed through verbatim (for options not modelled here)."""

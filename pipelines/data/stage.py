@@ -3,7 +3,9 @@
 1. Synthetic tasks: train and held-out sets for each configured kind (``synth/<kind>/<split>``).
 2. A split of the train tasks: the first ``sft_fraction`` get cold-start trajectories, the rest are
    RL prompts (``rl/<kind>/tasks.jsonl``, media referenced in place).
-3. Cold-start trajectories executed in the sandbox (``trajectories/<kind>``).
+3. Cold-start trajectories executed in the sandbox (``trajectories/<kind>``), distilled from a
+   teacher (``distill/``, :mod:`pipelines.data.distill`, on the same SFT tasks and the folders of
+   ``data.distill.tasks``), or both, and any conversation folders: ``data.sft_sources``.
 4. The base model: a tiny Qwen2.5-VL built here when the recipe asks for one, its tokenizer trained
    on the trajectories' own text (so its merges fit the data); else the recipe's model id/path.
 5. The LLaMA-Factory export of all trajectories (``llamafactory/``), with the copy drills of
@@ -43,6 +45,29 @@ def subset_tasks(tasks: list[Task], src_root: Path, dst_dir: Path) -> Path:
     return write_tasks(dst_dir / "tasks.jsonl", moved)
 
 
+def tiny_base(recipe: Recipe, model_dir: Path, conversations: list, sd: StageDir) -> None:
+    """The run's tiny base model, as ``model.tiny.init`` says: the shipped pretrained base, one
+    pretrained here, or random weights with a tokenizer fitted to the run's trajectories."""
+    tiny = recipe.model.tiny
+    assert tiny is not None
+    if tiny.init == "pretrained":
+        from pipelines.models.pretrain import copy_shipped_base
+
+        copy_shipped_base(tiny.size, model_dir)
+    elif tiny.init == "pretrain":
+        from pipelines.models.pretrain import pretrain
+
+        pretrain(recipe.model.pretrain, size=tiny.size, seed=tiny.seed, out=model_dir,
+                 work=sd.path / "pretrain", store=sd.store, run_id=sd.run_id, resume=True)
+    else:
+        from pipelines.models.tiny import build_tiny_model
+
+        corpus = [m.content for _, convs in conversations for c in convs for m in c.messages]
+        with err.status(f"building tiny Qwen2.5-VL ({tiny.size})"):
+            build_tiny_model(model_dir, size=tiny.size, seed=tiny.seed, extra_corpus=corpus,
+                             force=True)
+
+
 def run_data_stage(recipe: Recipe, sd: StageDir, *, show_progress: bool = True) -> dict[str, Any]:
     from pipelines.data.export_llamafactory import export_llamafactory
     from pipelines.data.synth import synthesize
@@ -54,6 +79,8 @@ def run_data_stage(recipe: Recipe, sd: StageDir, *, show_progress: bool = True) 
     outputs: dict[str, Any] = {"rl_tasks": [], "heldout": {}}
     summary: dict[str, Any] = {}
     traj_sources = []
+    sources = recipe.data.resolved_sft_sources()
+    distill_tasks: list[Path] = []
     for kind, cfg in kinds.items():
         if cfg.n_train == 0 and cfg.n_heldout == 0:
             continue
@@ -79,8 +106,9 @@ def run_data_stage(recipe: Recipe, sd: StageDir, *, show_progress: bool = True) 
         if n_sft:
             sft_dir = root / "sft-tasks" / kind
             subset_tasks(tasks[:n_sft], train, sft_dir)
+            distill_tasks.append(sft_dir)
             traj = root / "trajectories" / kind
-            if not (traj / "manifest.json").exists():
+            if "scripted" in sources and not (traj / "manifest.json").exists():
                 m = make_trajectories(sft_dir, traj, seed=recipe.seed, agent_cfg=recipe.agent,
                                       sandbox_cfg=recipe.sandbox, progress=show_progress)
                 err.print(f"trajectories ({kind}): kept {m['kept']} of {m['tasks']} "
@@ -88,7 +116,8 @@ def run_data_stage(recipe: Recipe, sd: StageDir, *, show_progress: bool = True) 
                 summary[f"{kind}/trajectories_kept"] = m["kept"]
                 summary[f"{kind}/trajectories_dropped"] = sum(m["dropped"].values())
                 summary[f"{kind}/trajectories_per_s"] = m["trajectories_per_s"]
-            traj_sources.append(traj)
+            if "scripted" in sources:
+                traj_sources.append(traj)
         summary[f"{kind}/train_tasks"] = len(tasks)
         summary[f"{kind}/sft_tasks"] = n_sft
         summary[f"{kind}/rl_tasks"] = len(tasks) - n_sft
@@ -109,16 +138,17 @@ def run_data_stage(recipe: Recipe, sd: StageDir, *, show_progress: bool = True) 
         elif kind == "rl":
             outputs["rl_tasks"].append(str(target))
 
+    if "distill" in sources:
+        traj_sources.append(_distill(recipe, sd, distill_tasks, summary, show_progress))
+    for source in sources:
+        if source not in ("scripted", "distill"):
+            traj_sources.append(Path(source))
+
     conversations = [(src, read_conversations(src)[0]) for src in traj_sources]
     if recipe.model.tiny is not None:
         model_dir = root / "base-model"
         if not (model_dir / "config.json").is_file():
-            from pipelines.models.tiny import build_tiny_model
-
-            corpus = [m.content for _, convs in conversations for c in convs for m in c.messages]
-            with err.status(f"building tiny Qwen2.5-VL ({recipe.model.tiny.size})"):
-                build_tiny_model(model_dir, size=recipe.model.tiny.size,
-                                 seed=recipe.model.tiny.seed, extra_corpus=corpus, force=True)
+            tiny_base(recipe, model_dir, conversations, sd)
         outputs["base_model"] = str(model_dir)
     else:
         outputs["base_model"] = recipe.model.base
@@ -137,3 +167,24 @@ def run_data_stage(recipe: Recipe, sd: StageDir, *, show_progress: bool = True) 
     summary["seconds"] = round(time.monotonic() - start, 1)
     sd.finish(outputs, summary)
     return {"outputs": outputs, "summary": summary}
+
+
+def _distill(recipe: Recipe, sd: StageDir, task_dirs: list[Path], summary: dict[str, Any],
+             show_progress: bool) -> Path:
+    """Distil the SFT tasks (and ``data.distill.tasks``) from the recipe's teacher into
+    ``distill/``; a re-run draws only what is missing."""
+    from pipelines.data.distill import distill
+
+    out = sd.path / "distill"
+    folders = [*task_dirs, *(Path(p) for p in recipe.data.distill.tasks)]
+    if not (out / "manifest.json").exists():
+        card = distill(recipe, folders, out, store=sd.store, run_id=sd.run_id,
+                       progress=show_progress)
+        s = card["samples"]
+        err.print(f"distill: {s['drawn']} samples from {card['teacher']['served_model']}, "
+                  f"{s['accepted']} verified, {card['selection']['kept']} kept "
+                  f"(rejected: {s['rejected'] or 'none'})")
+        summary["distill/samples"] = s["drawn"]
+        summary["distill/accepted"] = s["accepted"]
+        summary["distill/kept"] = card["selection"]["kept"]
+    return out

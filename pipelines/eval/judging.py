@@ -13,47 +13,19 @@ in their scorer, the evaluation summary and ``pyvision report`` count them, and
 from __future__ import annotations
 
 import shlex
-import threading
 from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pipelines.data.records import Task
 from pipelines.errors import DataError, UserError
+from pipelines.scoring import FALLBACK, JUDGE, RULES, JudgeProbe, scoring_benchmark, takes_judge
 
 if TYPE_CHECKING:
     from benchmarks.base import Benchmark
     from pipelines.config.recipe import Recipe
+    from pipelines.config.reward import RewardConfig
     from pipelines.store import Store
-
-JUDGE = "judge"
-RULES = "rules"
-FALLBACK = "rule_fallback"
-
-
-class JudgeProbe:
-    """The judge callable a benchmark receives; remembers, per thread, whether the sample being
-    scored asked it and whether it answered."""
-
-    def __init__(self, judge: Any, benchmark: str) -> None:
-        self.judge = judge
-        self.benchmark = benchmark
-        self._seen = threading.local()
-
-    def __call__(self, question: str, prediction: str, gold: str) -> float | None:
-        verdict = self.judge.judge(question, prediction, gold, self.benchmark)
-        self._seen.asked = True
-        self._seen.answered = getattr(self._seen, "answered", False) or verdict is not None
-        return verdict
-
-    def reset(self) -> None:
-        self._seen.asked = self._seen.answered = False
-
-    def outcome(self) -> str:
-        if getattr(self._seen, "answered", False):
-            return JUDGE
-        return FALLBACK if getattr(self._seen, "asked", False) else RULES
-
 
 @dataclass
 class Scoring:
@@ -93,17 +65,13 @@ class Scoring:
         return scores, self.probe.outcome()
 
 
-def scoring_for(name: str, judge: Any, judge_model: str | None) -> Scoring:
-    """Benchmark ``name``, given ``judge`` (a :class:`pipelines.rl.judge.Judge`, or None) when its
-    official scorer takes one."""
-    import inspect
-
-    from benchmarks import benchmark_class, get_benchmark
-
-    if judge is None or "judge" not in inspect.signature(benchmark_class(name)).parameters:
-        return Scoring(get_benchmark(name))
+def scoring_for(name: str, judge: Any, judge_model: str | None, reward: RewardConfig) -> Scoring:
+    """Benchmark ``name`` built as the RL reward builds it (the reward's tolerances), given
+    ``judge`` (a :class:`pipelines.rl.judge.Judge`, or None) when its official scorer takes one."""
+    if judge is None or not takes_judge(name):
+        return Scoring(scoring_benchmark(name, reward))
     probe = JudgeProbe(judge, name)
-    return Scoring(get_benchmark(name, judge=probe), probe, judge_model)
+    return Scoring(scoring_benchmark(name, reward, probe), probe, judge_model)
 
 
 def store_aggregate(store: Store, run_id: str, model_tag: str, scoring: Scoring,
@@ -157,7 +125,7 @@ def rescore(store: Store, recipe: Recipe, run_id: str, benchmark: str,
         raise UserError("no judge to re-score with: reward.judge.base_url is not set",
                         hint="pass --set reward.judge.base_url=URL (the run's stored recipe is "
                              "used otherwise)")
-    scoring = scoring_for(benchmark, Judge(cfg, store=store), cfg.model)
+    scoring = scoring_for(benchmark, Judge(cfg, store=store), cfg.model, recipe.reward)
     if scoring.probe is None:
         raise UserError(f"'{benchmark}' is scored by rules only; there is no judge verdict to "
                         "ask for", hint="re-score a benchmark with a judge (mathverse, hrbench4k, "

@@ -37,7 +37,8 @@ class PyVisionAgent(lmms):
         self.policy = make_policy(str(pretrained), engine=engine, served_model=served_model,
                                   agent_cfg=self.recipe.agent, device=self.recipe.model.device,
                                   dtype=self.recipe.model.dtype,
-                                  concurrency=self.recipe.eval.concurrency)
+                                  concurrency=self.recipe.eval.concurrency,
+                                  client=self.recipe.eval.client)
         # Decoded PIL visuals are written here for the sandbox; removed with the model object.
         self._media_dir = tempfile.TemporaryDirectory(prefix="pyvision-lmms-")
         self._media = Path(self._media_dir.name)

@@ -27,11 +27,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipelines.config.recipe import Recipe
-from pipelines.console import err
+from pipelines.console import StatusProgress, err
 from pipelines.data.records import Task
 from pipelines.errors import DataError, EndpointError, UserError
 from pipelines.eval.judging import Scoring, fallback_warning, scoring_for, store_aggregate
 from pipelines.fsutil import weights_fingerprint
+from pipelines.report.media import trajectory_media
 from pipelines.store import EvalRecord, Store
 
 if TYPE_CHECKING:
@@ -101,8 +102,14 @@ def check_media(name: str, tasks: list[Task]) -> None:
                 raise DataError(f"{name} sample {task.id}: {exc.message}", hint=exc.hint) from None
 
 
-def check_endpoint(url: str, timeout_s: float = 10.0) -> None:
-    """Any HTTP answer from ``url`` counts as reachable; no answer at all is an EndpointError."""
+ENDPOINT_HINT = ("start it (e.g. `vllm serve MODEL --port 8000`) and pass its URL to --model, or "
+                 "pass a local model folder")
+
+
+def check_endpoint(url: str, timeout_s: float = 10.0, *, what: str = "model server",
+                   hint: str = ENDPOINT_HINT) -> None:
+    """Any HTTP answer from ``url`` counts as reachable; no answer at all is an EndpointError
+    naming ``what`` with ``hint``."""
     import httpx
 
     base = url.rstrip("/")
@@ -111,10 +118,8 @@ def check_endpoint(url: str, timeout_s: float = 10.0) -> None:
     try:
         httpx.get(f"{base}/models", timeout=timeout_s)
     except (httpx.HTTPError, httpx.InvalidURL) as exc:
-        raise EndpointError(f"model server {url} does not answer ({type(exc).__name__}: "
-                            f"{str(exc)[:160]})",
-                            hint="start it (e.g. `vllm serve MODEL --port 8000`) and pass its URL "
-                                 "to --model, or pass a local model folder") from None
+        raise EndpointError(f"{what} {url} does not answer ({type(exc).__name__}: "
+                            f"{str(exc)[:160]})", hint=hint) from None
 
 
 # Recipe keys that decide what an evaluated sample is (and so its score), by section. Samples made
@@ -191,7 +196,7 @@ def run_eval(recipe: Recipe, *, model: str, model_tag: str, benchmarks: list[str
     plans: list[_Plan] = []
     for name in dict.fromkeys(benchmarks):  # a name given twice runs once
         # The judge is part of the scorer: its model is stored with every score it decided.
-        scoring = scoring_for(name, judge, recipe.reward.judge.model)
+        scoring = scoring_for(name, judge, recipe.reward.judge.model, recipe.reward)
         bench = scoring.bench
         data_dir = (data_dirs or {}).get(name) or cfg.data_dir
         tasks = bench.load(data_dir=data_dir, limit=limit)
@@ -210,7 +215,11 @@ def run_eval(recipe: Recipe, *, model: str, model_tag: str, benchmarks: list[str
             check_model(target)  # one line for a folder that cannot load, before loading it
         policy = make_policy(target, engine=engine, served_model=served_model,
                              agent_cfg=recipe.agent, device=recipe.model.device,
-                             dtype=recipe.model.dtype, concurrency=cfg.concurrency)
+                             dtype=recipe.model.dtype, concurrency=cfg.concurrency,
+                             client=cfg.client, url_hint=ENDPOINT_HINT,
+                             model_hint="pass --served-model NAME")
+        if engine == "openai":
+            _ = policy.model  # a server listing several models needs a name: say so before writing
     if on_checked is not None:
         on_checked()
     if force:
@@ -228,14 +237,17 @@ def run_eval(recipe: Recipe, *, model: str, model_tag: str, benchmarks: list[str
             err.print(f"{model_tag} on {name}: {plan.stale} stored samples came from other "
                       f"weights than {model}; evaluating them again")
         start = time.monotonic()
-        progress = _Progress(show_progress, f"eval {model_tag} on {name}", len(plan.tasks),
-                             len(plan.tasks) - len(pending))
+        progress = StatusProgress(show_progress, f"eval {model_tag} on {name}", len(plan.tasks),
+                                  len(plan.tasks) - len(pending),
+                                  status=getattr(policy, "activity", None))
         writer = store.eval_writer()
+        stored = 0
         try:
             for traj in run_episodes([(t, Path("/")) for t in pending], policy, recipe.agent,
                                      recipe.sandbox, mode="eval", batch_size=batch):
                 task = by_id[traj.task_id]
                 scores, scored_by = scoring.score(task, traj.final_answer)
+                media, blobs = trajectory_media(task, Path("/"), traj, recipe.report.thumbnail_px)
                 rec = EvalRecord(
                     run_id=run_id, model=model_tag, benchmark=name, sample_id=task.id,
                     benchmark_version=bench.version, prompt_version=traj.prompt_version,
@@ -247,11 +259,21 @@ def run_eval(recipe: Recipe, *, model: str, model_tag: str, benchmarks: list[str
                     total_tokens=(traj.prompt_tokens + traj.generated_tokens
                                   + traj.observation_tokens),
                     duration_s=traj.total_s, trajectory=traj.to_json(), scores=scores,
-                    model_fingerprint=fingerprint)
+                    model_fingerprint=fingerprint, media=media, blobs=blobs)
                 writer.add(rec)
+                stored += 1
                 if on_sample is not None:
                     on_sample(name, rec)
                 progress.advance()
+        except KeyboardInterrupt:
+            writer.flush()
+            progress.close()
+            close = getattr(policy, "close", None)
+            if close is not None:
+                close()
+            err.print(f"[yellow]interrupted:[/] {model_tag} on {name}: kept the {stored} samples "
+                      f"finished in this run; run the same command again to resume", soft_wrap=True)
+            raise
         finally:
             writer.flush()
             progress.close()
@@ -270,7 +292,25 @@ def run_eval(recipe: Recipe, *, model: str, model_tag: str, benchmarks: list[str
             from rich.markup import escape
 
             err.print(f"[yellow]warning:[/] {escape(warning)}", soft_wrap=True, highlight=False)
+    _track(recipe, store, run_id, model_tag, results, {p.name: p.bench.primary_metric
+                                                       for p in plans})
     return results
+
+
+def _track(recipe: Recipe, store: Store, run_id: str, model_tag: str,
+           results: dict[str, dict[str, float]], primary: dict[str, str]) -> None:
+    """The aggregates to the recipe's trackers (pipelines/trackers.py), as verl's validation
+    metrics: at step 0, or for the RL model at the number of RL steps the store recorded."""
+    from pipelines.trackers import eval_metrics, open_trackers
+
+    if not recipe.report.trackers or not results:
+        return
+    last = store.last_step(run_id, "rl") if model_tag == "rl" else None
+    trackers = open_trackers(recipe, run_id, f"eval-{model_tag}")
+    try:
+        trackers.log(0 if last is None else last + 1, eval_metrics(results, primary))
+    finally:
+        trackers.close()
 
 
 def _judge(recipe: Recipe, store: Store) -> Any:
@@ -280,22 +320,3 @@ def _judge(recipe: Recipe, store: Store) -> Any:
     from pipelines.rl.judge import Judge
 
     return Judge(recipe.reward.judge, store=store)
-
-
-class _Progress:
-    def __init__(self, enabled: bool, label: str, total: int, done: int) -> None:
-        self.enabled = enabled
-        if enabled:
-            from rich.progress import Progress
-
-            self.bar = Progress(console=err, transient=True)
-            self.task = self.bar.add_task(label, total=total, completed=done)
-            self.bar.start()
-
-    def advance(self) -> None:
-        if self.enabled:
-            self.bar.advance(self.task)
-
-    def close(self) -> None:
-        if self.enabled:
-            self.bar.stop()

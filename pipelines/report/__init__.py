@@ -50,6 +50,12 @@ class ReportData:
     scoring: list[dict[str, Any]] = field(default_factory=list)
     """Per (run, model, benchmark) that a judge scored: samples decided by the judge, by the
     rules, and by the rule fallback when the judge did not answer."""
+    verdict_changes: list[dict[str, Any]] = field(default_factory=list)
+    """Per run, benchmark and pair of ``COMPARISONS``: samples both models answered, and how many
+    the challenger fixed (right where the baseline was not), broke, or changed otherwise."""
+    trajectories: dict[str, Any] = field(default_factory=dict)
+    """Set by ``write_report`` when it wrote the trajectory page: its file name and, per model
+    and benchmark, verdict counts (for the HTML report's links into it)."""
 
     def benchmarks(self) -> list[str]:
         return sorted({r["benchmark"] for r in self.results})
@@ -207,6 +213,7 @@ def collect(store: Any, run_ids: list[str] | None = None) -> ReportData:
     curves: dict[str, dict[str, list[tuple[int, float]]]] = {}
     stats = []
     comparisons: list[dict[str, Any]] = []
+    changes: list[dict[str, Any]] = []
     paired_by_run: dict[str, Paired] = {}
     for rid in ids:
         per: dict[str, list[tuple[int, float]]] = defaultdict(list)
@@ -222,6 +229,7 @@ def collect(store: Any, run_ids: list[str] | None = None) -> ReportData:
         paired_by_run[rid] = {bench: paired_scores(store, rid, models, bench)
                               for bench, models in by_bench.items()}
         comparisons += compare_models(rid, paired_by_run[rid])
+        changes += verdict_change_counts(store, rid, by_bench)
         groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
         for rec in store.eval_records(rid):
             groups[(rec["model"], rec["benchmark"])].append(rec)
@@ -241,7 +249,42 @@ def collect(store: Any, run_ids: list[str] | None = None) -> ReportData:
     comparisons += pooled_comparisons(runs, paired_by_run)
     return ReportData(runs=[{k: (str(v) if k == "created_at" else v) for k, v in r.items()}
                             for r in runs], results=results, curves=curves, eval_stats=stats,
-                      comparisons=comparisons, scoring=scoring_counts(store, ids))
+                      comparisons=comparisons, scoring=scoring_counts(store, ids),
+                      verdict_changes=changes)
+
+
+def verdict_change_counts(store: Any, run_id: str, models_by_bench: dict[str, set[str]]
+                          ) -> list[dict[str, Any]]:
+    """``ReportData.verdict_changes`` of one run (verdicts as the trajectory page gives them)."""
+    from pipelines.report.trajectories import sample_score, sample_verdict
+
+    out = []
+    for bench in sorted(models_by_bench):
+        models = models_by_bench[bench]
+        verdicts = {}
+        for m in models & {m for pair in COMPARISONS for m in pair}:
+            verdicts[m] = {sid: sample_verdict(sample_score(bench, sc)[1])
+                           for sid, sc in store.eval_scores(run_id, m, bench).items()}
+        for challenger, baseline in COMPARISONS:
+            if challenger not in verdicts or baseline not in verdicts:
+                continue
+            a, b = verdicts[baseline], verdicts[challenger]
+            common = sorted(set(a) & set(b))
+            fixed = sum(a[s] != "right" and b[s] == "right" for s in common)
+            broken = sum(a[s] == "right" and b[s] != "right" for s in common)
+            changed = sum(a[s] != b[s] for s in common) - fixed - broken
+            out.append({"run": run_id, "benchmark": bench, "model": challenger,
+                        "baseline": baseline, "n": len(common), "fixed": fixed,
+                        "broken": broken, "changed": changed})
+    return out
+
+
+CHANGES_HEADER = ["run", "benchmark", "comparison", "n", "fixed", "broken", "other changes"]
+
+
+def change_rows(data: ReportData) -> list[list[str]]:
+    return [[c["run"], c["benchmark"], f"{c['model']} vs {c['baseline']}", str(c["n"]),
+             str(c["fixed"]), str(c["broken"]), str(c["changed"])] for c in data.verdict_changes]
 
 
 def scoring_counts(store: Any, run_ids: list[str]) -> list[dict[str, Any]]:
@@ -257,6 +300,58 @@ def scoring_counts(store: Any, run_ids: list[str]) -> list[dict[str, Any]]:
                          "rule_fallback": counts.get("rule_fallback", 0)})
     return sorted(rows, key=lambda r: (r["run"], r["benchmark"], MODEL_ORDER.get(r["model"], 9),
                                        r["model"]))
+
+
+MODEL_NAMES = {"base": "the base model", "sft": "SFT", "rl": "RL"}
+
+
+def _model_name(tag: str) -> str:
+    return MODEL_NAMES.get(tag, tag)
+
+
+def _points(c: dict[str, Any], signed: bool) -> str:
+    f = "{:+.1f}" if signed else "{:.1f}"
+    return (f"{f.format(100 * c['delta'])} [{f.format(100 * c['ci_low'])}, "
+            f"{f.format(100 * c['ci_high'])}]")
+
+
+def headline(data: ReportData) -> list[str]:
+    """One plain sentence per comparison (a pair of models in one run, or pooled over the runs
+    of one recipe), built from ``data.comparisons``: "RL is ahead of SFT on synth-video by 18.8
+    points [6.2, 31.2]; on synth-image it is not separable (+8.3 [-6.2, +22.9])." Differences
+    are percentage points of the primary metric with their 95% bootstrap interval."""
+    grouped: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    for c in data.comparisons:
+        grouped.setdefault((c["run"], c["model"], c["baseline"]), []).append(c)
+    labels = {run for run, _, _ in grouped}
+    out = []
+    for (run, challenger, baseline), rows in grouped.items():
+        a, b = _model_name(challenger), _model_name(baseline)
+        by = {v: [c for c in rows if c["verdict"] == v] for v in ("ahead", "behind",
+                                                                   "not separable")}
+        parts = []
+        for verdict_ in ("ahead", "behind"):
+            if by[verdict_]:
+                whom = b if not parts else "it"
+                parts.append(f"{verdict_} of {whom} " if verdict_ == "ahead" else f"behind {whom} ")
+                parts[-1] += " and ".join(f"on {c['benchmark']} by "
+                                          f"{abs(100 * c['delta']):.1f} points "
+                                          f"[{100 * c['ci_low']:.1f}, {100 * c['ci_high']:.1f}]"
+                                          for c in by[verdict_])
+        unsure = " and ".join(f"{c['benchmark']} ({_points(c, True)})"
+                              for c in by["not separable"])
+        if parts:
+            sentence = f"{a} is " + ", ".join(parts)
+            if unsure:
+                sentence += f"; on {unsure} it is not separable"
+        else:
+            sentence = f"{a} and {b} are not separable on {unsure}"
+        if len(labels) > 1 or "runs" in rows[0]:
+            where = (f"Pooled over the {len(rows[0]['runs'])} runs of "
+                     f"{run.split(':', 1)[0]}" if "runs" in rows[0] else f"In run {run}")
+            sentence = f"{where}, {sentence}"
+        out.append(sentence[0].upper() + sentence[1:] + ".")
+    return out
 
 
 SCORING_HEADER = ["run", "model", "benchmark", "n", "judge", "rules", "rule fallback"]
@@ -290,12 +385,13 @@ def fallback_notes(data: ReportData) -> list[str]:
 
 
 def to_json(data: ReportData) -> dict[str, Any]:
-    return {"runs": data.runs,
+    return {"headline": headline(data), "runs": data.runs,
             "results": [{k: r[k] for k in ("run", "model", "benchmark", "metric", "value")}
                         for r in data.results],
             "comparisons": data.comparisons,
             "eval_stats": data.eval_stats,
-            "scoring": data.scoring}
+            "scoring": data.scoring,
+            "verdict_changes": data.verdict_changes}
 
 
 def results_table(data: ReportData) -> tuple[list[str], list[list[str]]]:
@@ -393,7 +489,10 @@ def make_plots(data: ReportData, out_dir: Path, max_curves: int = 16) -> dict[st
 
 def to_markdown(data: ReportData, images: dict[str, Path] | None = None) -> str:
     header, rows = results_table(data)
-    lines = ["# PyVision report", "", "## Results (primary metric, %)", ""]
+    lines = ["# PyVision report", ""]
+    if sentences := headline(data):
+        lines += [*(f"{s}  " for s in sentences), ""]  # two spaces: a line break
+    lines += ["## Results (primary metric, %)", ""]
     if rows:
         lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         lines += ["| " + " | ".join(r) + " |" for r in rows]
@@ -410,6 +509,13 @@ def to_markdown(data: ReportData, images: dict[str, Path] | None = None) -> str:
                   "| " + " | ".join(COMPARISON_HEADER) + " |", "|" + "---|" * len(COMPARISON_HEADER)]
         lines += ["| " + " | ".join(r) + " |" for r in comparison_rows(data)]
         lines += ["", COMPARISON_NOTE]
+    if data.verdict_changes:
+        lines += ["", "## Samples whose verdict changed", "",
+                  "| " + " | ".join(CHANGES_HEADER) + " |", "|" + "---|" * len(CHANGES_HEADER)]
+        lines += ["| " + " | ".join(r) + " |" for r in change_rows(data)]
+        if data.trajectories:
+            page = data.trajectories["page"]
+            lines += ["", f"Every sample, turn by turn, side by side: [{page}]({page})"]
     if data.eval_stats:
         lines += ["", "## Visual tokens and stop reasons", "",
                   "| run | model | benchmark | n | visual tokens/sample | turns | tool calls | stop reasons |",
@@ -432,7 +538,8 @@ def to_markdown(data: ReportData, images: dict[str, Path] | None = None) -> str:
 _CSS = """body{font-family:system-ui,sans-serif;margin:2em;color:#222}
 table{border-collapse:collapse;margin:1em 0}th,td{border:1px solid #ccc;padding:4px 8px;text-align:right}
 th{background:#f0f0f0}td:first-child,td:nth-child(2){text-align:left}img{max-width:100%;border:1px solid #ddd}
-h1{font-size:1.5em}h2{font-size:1.2em;margin-top:1.5em}.small{color:#666;font-size:.85em}"""
+h1{font-size:1.5em}h2{font-size:1.2em;margin-top:1.5em}.small{color:#666;font-size:.85em}
+.headline{font-size:1.05em;margin:.3em 0}"""
 
 
 def _html_table(header: list[str], rows: list[list[str]], cls: str) -> str:
@@ -442,11 +549,67 @@ def _html_table(header: list[str], rows: list[list[str]], cls: str) -> str:
     return f'<table class="{cls}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
 
 
+def _link(page: str, label: str, **params: str) -> str:
+    from urllib.parse import urlencode
+
+    return (f"<a href='{html.escape(page)}#{html.escape(urlencode(params))}'>"
+            f"{html.escape(label)}</a>")
+
+
+def _html_trajectories(data: ReportData) -> list[str]:
+    """The report's way into the trajectory page: per model and benchmark, and per comparison
+    the samples whose verdict changed (each a link to that view of the page)."""
+    page = data.trajectories.get("page")
+    if not page and not data.verdict_changes:
+        return []
+    parts = ["<h2>Trajectories</h2>"]
+    if page:
+        parts.append(f"<p>Every evaluated sample turn by turn (code, interpreter output and "
+                     f"images), with filters, search and models side by side: "
+                     f"{_link(page, page)}.</p>")
+        rows = []
+        for r in data.trajectories.get("counts", []):
+            rows.append("<tr>" + "".join(f"<td>{c}</td>" for c in (
+                _link(page, r["model"], model=r["model"], bench=r["benchmark"]),
+                html.escape(r["benchmark"]), r["n"],
+                _link(page, str(r["right"]), model=r["model"], bench=r["benchmark"],
+                      verdict="right"),
+                _link(page, str(r["wrong"]), model=r["model"], bench=r["benchmark"],
+                      verdict="wrong"), r["partial"])) + "</tr>")
+        parts.append("<table class='trajectories'><thead><tr><th>model</th><th>benchmark</th>"
+                     "<th>samples</th><th>right</th><th>wrong</th><th>partial</th></tr></thead>"
+                     f"<tbody>{''.join(rows)}</tbody></table>")
+        if data.trajectories.get("rollout_steps"):
+            parts.append(f"<p>RL rollouts of {data.trajectories['rollout_steps']} training "
+                         f"steps (kept and dropped groups, rewards, advantages): "
+                         f"{_link(page, 'training rollouts', tab='rollouts')}.</p>")
+    if data.verdict_changes:
+        parts.append("<h3>Samples whose verdict changed</h3>")
+        rows = []
+        for c in data.verdict_changes:
+            a, b = f"{c['run']}/{c['baseline']}", f"{c['run']}/{c['model']}"
+            total = c["fixed"] + c["broken"] + c["changed"]
+            cells = [html.escape(c["run"]), html.escape(c["benchmark"]),
+                     html.escape(f"{c['model']} vs {c['baseline']}"), str(c["n"]),
+                     str(c["fixed"]), str(c["broken"]), str(c["changed"])]
+            if page and total:
+                cells.append(_link(page, f"show the {total}", a=a, b=b, bench=c["benchmark"]))
+            elif page:
+                cells.append("")
+            rows.append("<tr>" + "".join(f"<td>{x}</td>" for x in cells) + "</tr>")
+        head = CHANGES_HEADER + ([""] if page else [])
+        parts.append("<table class='changes'><thead><tr>"
+                     + "".join(f"<th>{html.escape(h)}</th>" for h in head)
+                     + f"</tr></thead><tbody>{''.join(rows)}</tbody></table>")
+    return parts
+
+
 def to_html(data: ReportData, images: dict[str, Path] | None = None) -> str:
     """A self-contained page: inline CSS, images embedded as data URIs."""
     header, rows = results_table(data)
     parts = ["<!doctype html><html><head><meta charset='utf-8'><title>PyVision report</title>",
              f"<style>{_CSS}</style></head><body><h1>PyVision report</h1>",
+             *(f"<p class='headline'>{html.escape(s)}</p>" for s in headline(data)),
              "<p class='small'>Runs: " + html.escape(", ".join(r["run_id"] for r in data.runs))
              + "</p>", "<h2>Results (primary metric, %)</h2>"]
     parts.append(_html_table(header, rows, "results") if rows else
@@ -459,6 +622,7 @@ def to_html(data: ReportData, images: dict[str, Path] | None = None) -> str:
         parts.append("<h2>Model comparisons (paired, same samples)</h2>")
         parts.append(_html_table(COMPARISON_HEADER, comparison_rows(data), "comparisons"))
         parts.append(f"<p class='small'>{html.escape(COMPARISON_NOTE)}</p>")
+    parts += _html_trajectories(data)
     for name, path in (images or {}).items():
         b64 = base64.b64encode(path.read_bytes()).decode()
         parts.append(f"<h2>{html.escape(name.replace('_', ' ').capitalize())}</h2>"
@@ -496,6 +660,13 @@ def write_report(store: Any, run_ids: list[str] | None, formats: Iterable[str],
     written: dict[str, str] = {}
     for name, path in images.items():
         written[f"png:{name}"] = str(path)
+    if "html" in formats:
+        from pipelines.report.trajectories import collect_trajectories, verdict_counts, write_page
+
+        ts = collect_trajectories(store, [r["run_id"] for r in data.runs])
+        written["trajectories"] = str(write_page(store, ts, out))
+        data.trajectories = {"page": Path(written["trajectories"]).name,
+                             "counts": verdict_counts(ts), "rollout_steps": len(ts.steps)}
     if "json" in formats:
         written["json"] = str(atomic_write_text(out / "report.json",
                                                 json.dumps(to_json(data), indent=2, default=str)))

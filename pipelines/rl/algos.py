@@ -1,39 +1,18 @@
-"""GRPO advantages, the PPO-clip loss and KL, computed by verl's own ``core_algos``.
+"""The PPO-clip loss, the KL and the entropy term, computed by verl's own ``core_algos``.
 
 The local engine calls these wrappers so that it computes exactly what verl computes at scale:
-the advantage is ``verl.trainer.ppo.core_algos.compute_grpo_outcome_advantage`` (``norm_by_std``
-False by default, as in the paper: A = r - mean(group)), the loss is
-``compute_policy_loss_vanilla`` (PPO clip with separate low/high ratios and dual clip) aggregated by
-``agg_loss`` over model-generated tokens only, and the KL is ``kl_penalty``.
+the loss is ``compute_policy_loss_vanilla`` (PPO clip with separate low/high ratios and dual
+clip) aggregated by ``agg_loss`` over model-generated tokens only, and the KL is ``kl_penalty``.
+The GRPO advantage lives with the rollout strategy (:meth:`pipelines.rl.strategy.Group.advantages`,
+on whole groups before filtering); a test checks it against verl's
+``compute_grpo_outcome_advantage``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 from pipelines.config.rl import AlgorithmConfig
-
-
-def grpo_advantages(rewards: Sequence[float], group_index: Sequence[Any], response_mask: Any,
-                    norm_by_std: bool = False) -> Any:
-    """Token-level advantages ``[B, T]`` (each response's scalar advantage on its tokens)."""
-    import numpy as np
-    import torch
-    from verl.trainer.ppo.core_algos import compute_grpo_outcome_advantage
-
-    mask = response_mask.float()
-    scores = torch.zeros_like(mask)
-    last = (mask.cumsum(-1) == mask.sum(-1, keepdim=True)) & (mask > 0)
-    # One scalar per response, placed on its last token (verl sums over tokens).
-    first_last = last & (last.cumsum(-1) == 1)
-    scores[first_last] = torch.tensor(list(rewards), dtype=scores.dtype,
-                                     device=scores.device)[first_last.any(-1)]
-    advantages, _ = compute_grpo_outcome_advantage(
-        token_level_rewards=scores, response_mask=mask,
-        index=np.array([str(g) for g in group_index], dtype=object),
-        norm_adv_by_std_in_grpo=norm_by_std)
-    return advantages
 
 
 def _actor_config(cfg: AlgorithmConfig, batch_num_tokens: int | None, global_batch_size: int | None):

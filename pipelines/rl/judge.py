@@ -1,9 +1,11 @@
 """An LLM judge behind any OpenAI-compatible endpoint (the paper served Qwen2.5-72B with vLLM).
 
 The judge is asked whether a prediction and a gold answer are consistent, with few-shot examples
-for the task's family, and replies ``Judgement: 1`` or ``Judgement: 0``. Requests are bounded:
-a timeout, a few retries with exponential backoff, a concurrency limit. A reply that cannot be read
-counts as unavailable. When the judge is unavailable the caller falls back to the rule verifier
+for the task's family, and replies ``Judgement: 1`` or ``Judgement: 0``. Requests go through the
+shared client (:mod:`pipelines.agent.policies.endpoint`): a timeout, a few retries with exponential
+backoff for an outage (a request the server rejects is not retried, and the server's own words
+are shown once as a warning), a concurrency limit. A reply that cannot be read counts as
+unavailable. When the judge is unavailable the caller falls back to the rule verifier
 (``judge()`` returns None) and the fallback is counted; a judge outage never stalls training:
 once a request has failed all its retries, the judge is considered down for
 :data:`OUTAGE_COOLDOWN_S` and calls fall back at once (counted as ``skipped``) instead of each
@@ -14,13 +16,15 @@ environment variable named in the config and is never logged or stored.
 
 from __future__ import annotations
 
-import os
 import re
 import threading
 import time
 from typing import Any
 
+from pipelines.agent.policies.endpoint import ChatClient, v1_url
+from pipelines.config.client import ClientConfig
 from pipelines.config.reward import JudgeConfig
+from pipelines.errors import EndpointError
 
 FAMILY_BY_SOURCE = (
     (("vsi", "vsibench", "synth/video"), "vsi"),
@@ -91,9 +95,6 @@ class Judge:
         self.cfg = cfg
         self.model = cfg.model
         self.store = store
-        self.url = cfg.base_url.rstrip("/")
-        if not self.url.endswith("/v1"):
-            self.url += "/v1"
         self._slots = threading.Semaphore(cfg.concurrency)
         self._lock = threading.Lock()
         # The store opens one DuckDB connection per call, and DuckDB refuses to attach the same
@@ -104,6 +105,24 @@ class Judge:
                        "fallbacks": 0, "judged": 0, "skipped": 0}
         self._down_until = 0.0
         self._memory: dict[str, float] = {}
+        self.last_error: str | None = None
+        self._told: set[str] = set()
+        self._client = ChatClient(
+            cfg.base_url, ClientConfig(server="openai", timeout_s=cfg.timeout_s,
+                                       max_retries=cfg.max_retries, backoff_s=cfg.backoff_s,
+                                       api_key_env=cfg.api_key_env),
+            role="judge", url_hint="start it (e.g. `vllm serve Qwen/Qwen2.5-72B-Instruct --port "
+            "8000`) and set --set reward.judge.base_url=URL", model_hint="set --set "
+            "reward.judge.model=NAME", max_connections=cfg.concurrency, warn=False,
+            on_attempt=self._attempt)
+
+    @property
+    def url(self) -> str:
+        return self._client.url
+
+    @url.setter
+    def url(self, value: str) -> None:
+        self._client.url = v1_url(value)
 
     def stats(self) -> dict[str, int]:
         with self._lock:
@@ -112,6 +131,11 @@ class Judge:
     def _count(self, key: str) -> None:
         with self._lock:
             self._stats[key] += 1
+
+    def _attempt(self, ok: bool) -> None:
+        self._count("requests")
+        if not ok:
+            self._count("failures")
 
     def judge(self, question: str, prediction: str, gold: str, data_source: str) -> float | None:
         """1.0 / 0.0 from the judge, or None when it is unavailable (caller falls back)."""
@@ -149,28 +173,46 @@ class Judge:
         return verdict
 
     def _ask(self, prompt: str) -> str | None:
-        import httpx
+        from pipelines.agent.policies.endpoint import Cancelled
 
         body = {"model": self.model, "messages": [{"role": "user", "content": prompt}],
                 "temperature": self.cfg.temperature, "max_tokens": 16}
-        headers = {"Authorization": f"Bearer {os.environ.get(self.cfg.api_key_env, 'EMPTY')}"}
         with self._slots:
-            for attempt in range(self.cfg.max_retries + 1):
-                self._count("requests")
-                try:
-                    resp = httpx.post(f"{self.url}/chat/completions", json=body, headers=headers,
-                                      timeout=self.cfg.timeout_s)
-                    if resp.status_code == 200:
-                        text = str(resp.json()["choices"][0]["message"]["content"] or "")
-                        self._down_until = 0.0
-                        return text
-                except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
-                    pass
-                self._count("failures")
-                if attempt < self.cfg.max_retries:
-                    time.sleep(self.cfg.backoff_s * (2 ** attempt))
-        self._down_until = time.monotonic() + OUTAGE_COOLDOWN_S
-        return None
+            try:
+                text = self._client.complete(body, parse=_reply_text)
+            except EndpointError as exc:
+                self._note_failure(exc.message, exc.hint)
+                self._down_until = time.monotonic() + OUTAGE_COOLDOWN_S
+                return None
+            except Cancelled as exc:
+                self._note_failure(str(exc), None)
+                self._down_until = time.monotonic() + OUTAGE_COOLDOWN_S
+                return None
+        self._down_until = 0.0
+        return text
+
+    def _note_failure(self, reason: str, hint: str | None) -> None:
+        """Say once per distinct reason why the judge did not answer (the fallbacks are counted
+        either way): an outage and a rejected request need different fixes."""
+        with self._lock:
+            self.last_error = reason
+            if reason in self._told:
+                return
+            self._told.add(reason)
+        from rich.markup import escape
+
+        from pipelines.console import err
+
+        fix = f" (fix: {hint.rstrip('. ')})" if hint else ""
+        err.print(f"[yellow]warning:[/] {escape(reason.rstrip('. '))}; the rule verifiers decide "
+                  f"meanwhile{escape(fix)}", soft_wrap=True, highlight=False)
+
+
+def _reply_text(data: dict[str, Any]) -> str:
+    text = data["choices"][0]["message"]["content"]
+    if text is not None and not isinstance(text, str):
+        raise TypeError("message content is not text")
+    return text or ""
 
 
 def _cache_key(model: str, prompt: str) -> str:

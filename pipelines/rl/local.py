@@ -10,7 +10,7 @@ Each step:
    types it is configured for; its calls run concurrently, and fallbacks are counted per step.
 3. **Strategy.** Advantages on whole groups (GRPO, no std normalisation by default), then filter
    and rank (:mod:`pipelines.rl.strategy`); if too few groups survive, generate another round
-   (at most :data:`MAX_ROUNDS` rounds per step).
+   (at most ``rl.strategy.max_rounds`` rounds per step).
 4. **Update.** Old log-probs from the current weights, then PPO-clip updates on mini-batches of
    ``rl.mini_batch_prompts`` groups (verl's loss functions, token-mean over model tokens only),
    an optional KL to the starting policy, gradient clipping, AdamW. The vision tower stays frozen
@@ -45,6 +45,7 @@ from pipelines.config.recipe import Recipe
 from pipelines.console import err
 from pipelines.data.records import Task, read_tasks
 from pipelines.errors import UserError
+from pipelines.report.rollouts import RLObserver
 from pipelines.rl.local_utils import (
     TaskSampler,
     TokenSequence,
@@ -57,9 +58,6 @@ from pipelines.rl.rewards import RewardBreakdown, compute_reward
 from pipelines.rl.strategy import Group, Rollout, Selection, Selector, broken_reason
 from pipelines.rundir import StageDir
 
-# Generation rounds per step before training on whatever survived the filters: bounds the cost
-# of a step whose groups are nearly all zero-variance (early in training, or a saturated policy).
-MAX_ROUNDS = 3
 # Sequences per forward/backward pass; gradients accumulate over a mini-batch, so this changes
 # memory, not the result.
 MICRO_BATCH = 4
@@ -188,7 +186,7 @@ class LocalEngine:
         from pipelines.agent.loop import run_episodes
 
         rl = self.recipe.rl
-        selector = Selector(rl.prompts_per_step, rl.strategy, max_rounds=MAX_ROUNDS)
+        selector = Selector(rl.prompts_per_step, rl.strategy)
         groups: dict[int, list[Any]] = {}
         trajectories: list[Any] = []
         rewards: list[RewardBreakdown] = []
@@ -366,6 +364,8 @@ def train_local(recipe: Recipe, sd: StageDir, *, model_path: str, task_dirs: lis
     if sd.store is not None:
         # Steps from start_step on are logged again (all of them when starting from step 0).
         sd.store.delete_metrics_after(sd.run_id, "rl", start_step - 1)
+    # Rollouts for the report and metrics for trackers (pipelines/report/rollouts.py).
+    observer = RLObserver(recipe, sd, items)
     table = LiveTable(show_progress, local.steps)
     try:
         for step in range(start_step, local.steps):
@@ -378,11 +378,13 @@ def train_local(recipe: Recipe, sd: StageDir, *, model_path: str, task_dirs: lis
             if sd.store is not None:
                 sd.store.log_metrics(sd.run_id, "rl", step, metrics)
             table.add(step, metrics)
+            observer.step(step, batch, metrics)
             if (step + 1) % local.save_every == 0 or step + 1 == local.steps:
                 save_checkpoint(ckpt_root, step + 1, model, processor, engine.optimizer,
                                 engine.sampler, extra={"history": history}, keep=2)
     finally:
         table.close()
+        observer.close()
     final = sd.path / "model"
     from pipelines.fsutil import atomic_dir
 

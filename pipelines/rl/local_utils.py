@@ -87,6 +87,8 @@ def sequence_logprobs(model: Any, processor: Any, seqs: Sequence[TokenSequence],
     """
     import torch
 
+    from pipelines.agent.policies.tokens import mm_token_type_ids
+
     device = device or next(model.parameters()).device
     pad_id = processor.tokenizer.pad_token_id
     lengths = [len(s.input_ids) for s in seqs]
@@ -103,6 +105,7 @@ def sequence_logprobs(model: Any, processor: Any, seqs: Sequence[TokenSequence],
         vision = processor.image_processor(images=images, return_tensors="pt")
         kwargs["pixel_values"] = vision["pixel_values"].to(device)
         kwargs["image_grid_thw"] = vision["image_grid_thw"].to(device)
+        kwargs["mm_token_type_ids"] = mm_token_type_ids(ids, model.config).to(device)
     out = model(input_ids=ids.to(device), attention_mask=attn.to(device), **kwargs)
     logits = out.logits.float()
     if temperature > 0 and temperature != 1.0:

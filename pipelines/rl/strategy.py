@@ -141,8 +141,8 @@ def select_groups(groups: Sequence[Group], target: int, cfg: StrategyConfig) -> 
 class Selector:
     """Accumulates generated groups over rounds until enough survive the filters."""
 
-    def __init__(self, target: int, cfg: StrategyConfig, max_rounds: int = 3) -> None:
-        self.target, self.cfg, self.max_rounds = target, cfg, max_rounds
+    def __init__(self, target: int, cfg: StrategyConfig) -> None:
+        self.target, self.cfg, self.max_rounds = target, cfg, cfg.max_rounds
         self.groups: list[Group] = []
         self.rounds = 0
 

@@ -103,6 +103,10 @@ def run_sft(recipe: Recipe, sd: StageDir, *, model: str, dataset_dir: str, datas
                         console=err, disable=not show_progress, transient=False)
     task = progress.add_task("sft", total=None, info="starting LLaMA-Factory ...")
 
+    from pipelines.trackers import open_trackers, sft_metrics
+
+    trackers = open_trackers(recipe, sd.run_id, "sft", runs_dir=sd.runs_dir)
+
     def on_log(entry: dict[str, Any]) -> None:
         step = int(entry.get("current_steps", 0))
         state["step"], state["total"] = step, int(entry.get("total_steps", 0))
@@ -111,14 +115,18 @@ def run_sft(recipe: Recipe, sd: StageDir, *, model: str, dataset_dir: str, datas
             losses.append(float(metrics["loss"]))
         if sd.store is not None and metrics:
             sd.store.log_metrics(sd.run_id, "sft", step, metrics)
+        trackers.log(step, sft_metrics(metrics))
         info = " ".join(f"{k}={metrics[k]:.4g}" for k in ("loss", "lr") if k in metrics)
         progress.update(task, completed=step, total=state["total"] or None, info=info)
 
     start = time.monotonic()
-    with progress:
-        lf.run_llamafactory("train", yaml_path, python=lf.python_for(recipe.sft.python),
-                            log_path=sd.path / lf.LOG_FILE, on_log=on_log, trainer_log=trainer_log,
-                            skip_existing_log=resume)
+    try:
+        with progress:
+            lf.run_llamafactory("train", yaml_path, python=lf.python_for(recipe.sft.python),
+                                log_path=sd.path / lf.LOG_FILE, on_log=on_log,
+                                trainer_log=trainer_log, skip_existing_log=resume)
+    finally:
+        trackers.close()
     seconds = time.monotonic() - start
     if not (output_dir / "config.json").is_file() and not (output_dir / "adapter_config.json").is_file():
         raise UserError(f"LLaMA-Factory finished but wrote no model into {output_dir}",

@@ -58,6 +58,9 @@ def _migrations() -> list[tuple[int, str, str]]:
 
 
 SCHEMA_VERSION = max(n for n, _, _ in _migrations())
+# The migration that adds thumbnails (``media``) and RL rollouts: older stores opened read-only
+# lack them.
+MEDIA_MIGRATION = 5
 ANY_WEIGHTS = object()
 """``eval_sample_ids`` default: samples stored by any weights."""
 
@@ -92,6 +95,17 @@ def lock_holder(message: str) -> str:
 
 
 @dataclass(frozen=True)
+class MediaBlob:
+    """One stored thumbnail, named by the SHA-256 of its bytes."""
+
+    sha256: str
+    mime: str
+    width: int
+    height: int
+    data: bytes
+
+
+@dataclass(frozen=True)
 class EvalRecord:
     """One evaluated sample: its trajectory summary plus the scores it earned."""
 
@@ -119,6 +133,11 @@ class EvalRecord:
     """Which scorer decided: ``judge``, ``rules`` or ``rule_fallback`` (judge asked, no answer)."""
     task: Mapping[str, Any] | None = None
     """The task it was scored against (JSON), so it can be scored again from the store."""
+    media: Mapping[str, Any] | None = None
+    """Thumbnails it shows: ``{"inputs": [sha256, ...], "images": [sha256, ...]}`` (the
+    trajectory's images by index), each stored once in ``media`` (``blobs``)."""
+    blobs: Sequence[MediaBlob] = ()
+    """The thumbnails ``media`` refers to; those already stored are skipped."""
 
 
 class Store:
@@ -137,9 +156,11 @@ class Store:
         self.read_only = read_only
         self._ready = False
         self._session: duckdb.DuckDBPyConnection | None = None
+        self._read_version = SCHEMA_VERSION
         check_store_path(self.path, write=not read_only)
         if read_only:
-            self._check_version()
+            # Not migrated: a store written by an older pyvision reads as it is (_at_least).
+            self._read_version = self._check_version()
             self._ready = True
         elif self.path.exists():
             self._prepare()
@@ -386,16 +407,18 @@ class Store:
                     "INSERT INTO eval_trajectories (run_id, model, benchmark, sample_id, "
                     "benchmark_version, prompt_version, prompt_hash, scorer, prediction, "
                     "stop_reason, turns, tool_calls, failed_calls, visual_tokens, total_tokens, "
-                    "duration_s, trajectory, model_fingerprint, scored_by, task) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    "duration_s, trajectory, model_fingerprint, scored_by, task, media) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     key + [rec.benchmark_version, rec.prompt_version, rec.prompt_hash,
                            rec.scorer, rec.prediction, rec.stop_reason, rec.turns,
                            rec.tool_calls, rec.failed_calls, rec.visual_tokens,
                            rec.total_tokens, rec.duration_s,
                            json.dumps(rec.trajectory) if rec.trajectory is not None else None,
                            rec.model_fingerprint, rec.scored_by,
-                           json.dumps(rec.task) if rec.task is not None else None])
+                           json.dumps(rec.task) if rec.task is not None else None,
+                           json.dumps(rec.media) if rec.media is not None else None])
                 self._insert_scores(con, key, rec.scores)
+                self._insert_media(con, rec.blobs)
 
     def eval_writer(self, max_delay_s: float = 1.0) -> EvalWriter:
         """A buffer that commits evaluated samples together, at most ``max_delay_s`` after the
@@ -410,6 +433,72 @@ class Store:
                 "INSERT INTO eval_scores (run_id, model, benchmark, sample_id, metric, value) "
                 "VALUES (?, ?, ?, ?, ?, ?)",
                 [key + [m, None if v is None else float(v)] for m, v in scores.items()])
+
+    @staticmethod
+    def _insert_media(con: duckdb.DuckDBPyConnection, blobs: Sequence[MediaBlob]) -> None:
+        unique = {b.sha256: b for b in blobs}
+        if unique:
+            con.executemany("INSERT OR IGNORE INTO media (sha256, mime, width, height, data) "
+                            "VALUES (?, ?, ?, ?, ?)",
+                            [[b.sha256, b.mime, b.width, b.height, b.data]
+                             for b in unique.values()])
+
+    def _at_least(self, version: int) -> bool:
+        """Whether the file has migration ``version`` (a store opened read-only is not migrated:
+        one written by an older pyvision reads as if it had none of the newer tables)."""
+        return self._read_version >= version
+
+    def media(self, shas: Sequence[str]) -> dict[str, MediaBlob]:
+        """The stored thumbnails among ``shas`` (missing ones are left out)."""
+        if not self._at_least(MEDIA_MIGRATION):
+            return {}
+        wanted = sorted(set(shas))
+        out: dict[str, MediaBlob] = {}
+        for i in range(0, len(wanted), 500):
+            part = wanted[i: i + 500]
+            for r in self._query("SELECT sha256, mime, width, height, data FROM media WHERE "
+                                 f"sha256 IN ({', '.join('?' for _ in part)})", part):
+                out[r["sha256"]] = MediaBlob(r["sha256"], r["mime"], int(r["width"]),
+                                             int(r["height"]), bytes(r["data"]))
+        return out
+
+    # -- RL rollouts -------------------------------------------------------------------------
+
+    ROLLOUT_COLUMNS = ("group_index", "sample_index", "task_id", "data_source", "group_status",
+                       "rank", "status", "reward", "accuracy", "tool", "format", "advantage",
+                       "group_mean", "group_std", "stop_reason", "prediction", "turns",
+                       "tool_calls", "visual_tokens", "trajectory", "task", "media")
+    _ROLLOUT_JSON = ("trajectory", "task", "media")
+
+    def set_rollouts(self, run_id: str, step: int, rows: Sequence[Mapping[str, Any]],
+                     blobs: Sequence[MediaBlob] = ()) -> None:
+        """Replace the recorded rollouts of one RL step (a resumed step records them again)."""
+        cols = self.ROLLOUT_COLUMNS
+        values = [[run_id, int(step)] + [
+            (json.dumps(row.get(c)) if row.get(c) is not None else None)
+            if c in self._ROLLOUT_JSON else row.get(c) for c in cols] for row in rows]
+        with self._transaction() as con:
+            con.execute("DELETE FROM rl_rollouts WHERE run_id=? AND step=?", [run_id, int(step)])
+            if values:
+                con.executemany(f"INSERT INTO rl_rollouts (run_id, step, {', '.join(cols)}) "
+                                f"VALUES ({', '.join('?' for _ in range(len(cols) + 2))})",
+                                values)
+            self._insert_media(con, blobs)
+
+    def rollouts(self, run_ids: Sequence[str] | None = None, *,
+                 with_trajectory: bool = True) -> list[dict[str, Any]]:
+        """Recorded RL rollouts, by run, step, group and sample."""
+        if not self._at_least(MEDIA_MIGRATION):
+            return []
+        where, params = _in_runs(run_ids)
+        cols = [c for c in self.ROLLOUT_COLUMNS if with_trajectory or c != "trajectory"]
+        rows = self._query(f"SELECT run_id, step, {', '.join(cols)} FROM rl_rollouts{where} "
+                           "ORDER BY run_id, step, group_index, sample_index", params)
+        for row in rows:
+            for c in self._ROLLOUT_JSON:
+                if c in row:
+                    row[c] = json.loads(row[c]) if row[c] else None
+        return rows
 
     def rescore_eval_sample(self, run_id: str, model: str, benchmark: str, sample_id: str, *,
                             scores: Mapping[str, float], scorer: str, scored_by: str) -> None:
@@ -451,13 +540,15 @@ class Store:
         run): the stage is being redone from scratch."""
         with self._transaction() as con:
             con.execute("DELETE FROM metrics WHERE run_id=? AND stage=?", [run_id, stage])
+            if stage == "rl":
+                con.execute("DELETE FROM rl_rollouts WHERE run_id=?", [run_id])
             if stage == "eval":
                 for table in ("eval_scores", "eval_trajectories", "eval_aggregates"):
                     con.execute(f"DELETE FROM {table} WHERE run_id=?", [run_id])
 
     def eval_records(self, run_id: str, model: str | None = None, benchmark: str | None = None,
-                     with_trajectory: bool = False, with_task: bool = False
-                     ) -> list[dict[str, Any]]:
+                     with_trajectory: bool = False, with_task: bool = False,
+                     with_media: bool = False) -> list[dict[str, Any]]:
         cols = ("run_id, model, benchmark, sample_id, benchmark_version, prompt_version, "
                 "prompt_hash, scorer, scored_by, prediction, stop_reason, turns, tool_calls, "
                 "failed_calls, visual_tokens, total_tokens, duration_s")
@@ -465,6 +556,8 @@ class Store:
             cols += ", trajectory"
         if with_task:
             cols += ", task"
+        if with_media:
+            cols += ", media" if self._at_least(MEDIA_MIGRATION) else ", NULL AS media"
         sql = f"SELECT {cols} FROM eval_trajectories WHERE run_id = ?"
         params: list[Any] = [run_id]
         if model is not None:
@@ -474,7 +567,7 @@ class Store:
             sql += " AND benchmark = ?"
             params.append(benchmark)
         rows = self._query(sql + " ORDER BY model, benchmark, sample_id", params)
-        for column in ("trajectory", "task"):
+        for column in ("trajectory", "task", "media"):
             for row in rows:
                 if column in row:
                     row[column] = json.loads(row[column]) if row[column] else None
@@ -535,6 +628,34 @@ class Store:
             con.execute("INSERT INTO judge_cache (key, model, response, verdict) VALUES "
                         "(?, ?, ?, ?) ON CONFLICT (key) DO UPDATE SET response=excluded.response, "
                         "verdict=excluded.verdict", [key, model, response, verdict])
+
+
+    # -- distillation ------------------------------------------------------------------------
+
+    def put_distill(self, dataset: str, *, run_id: str | None, teacher: str,
+                    card: Mapping[str, Any], samples: Sequence[Mapping[str, Any]]) -> None:
+        """Replace a distilled dataset's card and per-sample rows (one transaction)."""
+        cols = ("task_id", "sample_index", "family", "data_source", "verdict", "kept",
+                "selection", "turns", "tool_calls", "failed_calls", "total_tokens",
+                "visual_tokens")
+        with self._transaction() as con:
+            con.execute("DELETE FROM distill_samples WHERE dataset = ?", [dataset])
+            con.execute("DELETE FROM distill_cards WHERE dataset = ?", [dataset])
+            con.execute("INSERT INTO distill_cards (dataset, run_id, teacher, card) VALUES "
+                        "(?, ?, ?, ?)", [dataset, run_id, teacher, json.dumps(card, default=str)])
+            if samples:
+                con.executemany(
+                    f"INSERT INTO distill_samples (dataset, {', '.join(cols)}) VALUES "
+                    f"({', '.join('?' for _ in range(len(cols) + 1))})",
+                    [[dataset, *(s.get(c) for c in cols)] for s in samples])
+
+    def distill_card(self, dataset: str) -> dict[str, Any] | None:
+        rows = self._query("SELECT card FROM distill_cards WHERE dataset = ?", [dataset])
+        return json.loads(rows[0]["card"]) if rows else None
+
+    def distill_samples(self, dataset: str) -> list[dict[str, Any]]:
+        return self._query("SELECT * FROM distill_samples WHERE dataset = ? ORDER BY task_id, "
+                           "sample_index", [dataset])
 
 
 class EvalWriter:

@@ -11,17 +11,22 @@ __all__ = ["Generation", "Policy", "Sampling", "make_policy"]
 
 def make_policy(model: str, *, engine: str = "auto", served_model: str | None = None,
                 agent_cfg: Any = None, device: str = "auto", dtype: str = "auto",
-                concurrency: int = 8) -> Policy:
-    """A policy for ``model``: an http(s) URL -> OpenAI-compatible client, else transformers."""
+                concurrency: int = 8, client: Any = None, role: str = "model server",
+                url_hint: str | None = None, model_hint: str | None = None) -> Policy:
+    """A policy for ``model``: an http(s) URL -> OpenAI-compatible client, else transformers.
+
+    ``client`` (a :class:`~pipelines.config.client.ClientConfig`) shapes the server's requests;
+    ``role`` / ``url_hint`` / ``model_hint`` word its errors with the calling command's flags."""
     from pipelines.config.agent import AgentConfig
 
     cfg = agent_cfg or AgentConfig()
     if engine == "openai" or (engine == "auto" and model.startswith(("http://", "https://"))):
         from pipelines.agent.policies.openai import OpenAIPolicy
 
-        return OpenAIPolicy(model, served_model or "default", concurrency=concurrency,
+        return OpenAIPolicy(model, served_model, client=client, concurrency=concurrency,
                             image_min_pixels=cfg.image_min_pixels,
-                            image_max_pixels=cfg.image_max_pixels)
+                            image_max_pixels=cfg.image_max_pixels, role=role,
+                            url_hint=url_hint, model_hint=model_hint)
     if engine == "vllm":
         from pipelines.agent.policies.vllm import VLLMPolicy
 

@@ -35,7 +35,11 @@ class Policy(Protocol):
         """Start an episode from the first user turn (content parts; images as PIL)."""
 
     def generate(self, handles: list[Any], sampling: Sampling) -> list[Generation]:
-        """The next assistant turn of every episode (appended to each episode's context)."""
+        """The next assistant turn of every episode (appended to each episode's context).
+
+        A policy may also accept ``on_done(i, generation)``, called as soon as episode ``i``'s
+        turn is finished while others are still generating (the agent loop then starts that
+        episode's code early); it returns the same list either way."""
 
     def observe(self, handle: Any, parts: list[dict], images: list[Any]) -> None:
         """Append the environment's turn (``parts`` with one image part per entry of ``images``)."""

@@ -5,17 +5,18 @@ turn boundaries and interpreter turns with mask 0) is :class:`ChatTokens`' job (
 shared with the verl agent loop; this module only samples.
 
 Several episodes advance together: their contexts are left-padded into one batch, their images'
-pixel values (computed once per image and cached) are concatenated in order, and one ``generate``
-call produces everyone's next turn.
+pixel values (computed once per image and cached) are concatenated in order, and one batched
+decode (``decode.py``, which drops each row from the batch as soon as its turn ends) produces
+everyone's next turn.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from pipelines.agent.policies.base import Generation, Sampling
-from pipelines.agent.policies.tokens import ChatTokens, TokenContext
-from pipelines.agent.protocol import CODE_STOP
+from pipelines.agent.policies.tokens import ChatTokens, TokenContext, mm_token_type_ids
 from pipelines.agent.trajectory import TokenTrace
 
 
@@ -88,7 +89,8 @@ class HFPolicy:
 
     # -- generation ----------------------------------------------------------------------------
 
-    def generate(self, handles: list[TokenContext], sampling: Sampling) -> list[Generation]:
+    def generate(self, handles: list[TokenContext], sampling: Sampling,
+                 on_done: Callable[[int, Generation], None] | None = None) -> list[Generation]:
         import torch
 
         device = next(self.model.parameters()).device
@@ -103,38 +105,23 @@ class HFPolicy:
         if pix:
             kwargs["pixel_values"] = torch.cat(pix).to(device)
             kwargs["image_grid_thw"] = torch.cat([g for h in handles for g in h.grids]).to(device)
-        do_sample = sampling.temperature > 0
-        sample_kwargs = {"temperature": sampling.temperature, "top_p": sampling.top_p,
-                         "top_k": 0} if do_sample else {}
-        if self.logits_processors:
-            from transformers import LogitsProcessorList
+            kwargs["mm_token_type_ids"] = mm_token_type_ids(ids, self.model.config).to(device)
+        from pipelines.agent.policies.decode import Row, decode_batch
 
-            sample_kwargs["logits_processor"] = LogitsProcessorList(self.logits_processors)
+        results: list[Generation | None] = [None] * len(handles)
+
+        def finish(i: int, row: Row) -> None:
+            kept, reason, text = self.tokens.cut(row.tokens)
+            self.tokens.append_generated(handles[i], kept, row.logprobs[: len(kept)])
+            results[i] = Generation(text=text, finish=reason, n_tokens=len(kept))
+            if on_done is not None:
+                on_done(i, results[i])
+
         with torch.no_grad():
-            out = self.model.generate(
-                input_ids=ids.to(device), attention_mask=attn.to(device), **kwargs,
-                max_new_tokens=sampling.max_new_tokens, do_sample=do_sample, **sample_kwargs,
-                stop_strings=[CODE_STOP], tokenizer=self.tokenizer,
-                eos_token_id=sorted(self.eos_ids), pad_token_id=self.pad_id,
-                return_dict_in_generate=True, output_logits=True,
-                # Checkpoints saved by trainers often carry use_cache=false (LLaMA-Factory turns
-                # it off for training); without the KV cache every step re-reads the context.
-                use_cache=True)
-        new = out.sequences[:, longest:].cpu()
-        logits = torch.stack(out.logits, dim=1).float().cpu() if out.logits else None
-        if logits is not None and do_sample and sampling.temperature != 1.0:
-            # The log-probs of the distribution the tokens were sampled from (the trainer
-            # recomputes them the same way; top-p is not applied to either).
-            logits = logits / sampling.temperature
-        results = []
-        for i, h in enumerate(handles):
-            row = new[i].tolist()
-            kept, finish, text = self.tokens.cut(row)
-            if logits is not None and kept:
-                logp = torch.log_softmax(logits[i, : len(kept)], dim=-1)
-                lp = logp.gather(-1, torch.tensor(kept)[:, None]).squeeze(-1).tolist()
-            else:
-                lp = [0.0] * len(kept)
-            self.tokens.append_generated(h, kept, lp)
-            results.append(Generation(text=text, finish=finish, n_tokens=len(kept)))
-        return results
+            decode_batch(
+                self.model, ids.to(device), attn.to(device), kwargs,
+                max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
+                top_p=sampling.top_p, stops=self.tokens.ends_turn, eos_ids=sorted(self.eos_ids),
+                suppress=self.model.generation_config.suppress_tokens or (),
+                processors=self.logits_processors, on_done=finish)
+        return results  # type: ignore[return-value]

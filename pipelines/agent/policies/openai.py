@@ -1,28 +1,31 @@
-"""Any OpenAI-compatible chat endpoint (`vllm serve`, SGLang, hosted APIs) as a policy.
+"""Any OpenAI-compatible chat endpoint (vLLM, SGLang, `transformers serve`, hosted APIs) as a
+policy.
 
-Images travel as base64 PNG data URLs. Generation stops at ``</code>``: servers strip the stop
-string from the text (vLLM reports it as ``stop_reason``), so it is put back. Requests run
-concurrently up to ``concurrency``; each is retried with exponential backoff on connection errors,
-timeouts, 429 and 5xx, and an endpoint that stays down raises :class:`EndpointError` after a
-bounded number of tries, never a hang.
+Images travel as base64 PNG data URLs. Generation stops at ``</code>``. vLLM and SGLang keep the
+stop string when asked (the fields :mod:`~pipelines.agent.policies.endpoint` sends them); other
+servers drop it, so a turn that stopped inside an open ``<code>`` block gets it back (vLLM's
+``stop_reason`` and SGLang's ``matched_stop`` confirm it where present), and text generated past
+it by a server that ignores ``stop`` is cut. Requests run concurrently up to ``concurrency`` on
+daemon threads; each is retried with backoff as the client settings say, and a server that stays
+down, rejects the request or returns something that is not a chat completion raises a one-line
+:class:`~pipelines.errors.EndpointError`, never a hang.
 """
 
 from __future__ import annotations
 
 import base64
 import io
-import os
-import time
-from concurrent.futures import ThreadPoolExecutor
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 from pipelines.agent.policies.base import Generation, Sampling
 from pipelines.agent.policies.chat import ChatMessages
-from pipelines.agent.protocol import CODE_STOP, truncate_at_code_stop
-from pipelines.errors import EndpointError
+from pipelines.agent.policies.endpoint import ChatClient, DaemonPool, wait_all
+from pipelines.agent.protocol import CODE_STOP, stopped_inside_code, truncate_at_code_stop
+from pipelines.config.client import ClientConfig
 
-RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
+_END_MARKERS = ("<|im_end|>", "<|endoftext|>")
 
 
 def image_data_url(image: Any) -> str:
@@ -40,31 +43,60 @@ class _Chat:
     visual: int = 0
     last_prompt_tokens: int = 0
     history: list[int] = field(default_factory=list)
+    billed_prompt: int = 0            # prompt tokens over every request (what a hosted API bills)
+    billed_completion: int = 0
+    cost: float | None = None         # summed where the server reports a cost
+
+
+def _read_choice(data: dict[str, Any]) -> dict[str, Any]:
+    """The parts of a chat completion the policy uses; raises on anything else (malformed)."""
+    choice = data["choices"][0]
+    text = choice["message"].get("content")
+    if text is None:
+        text = ""
+    if not isinstance(text, str):
+        raise TypeError("message content is not text")
+    usage = data.get("usage") if isinstance(data.get("usage"), dict) else {}
+    return {"text": text, "finish": choice.get("finish_reason"),
+            "matched": choice.get("stop_reason") or choice.get("matched_stop"), "usage": usage,
+            "cost": usage.get("cost", data.get("cost"))}
 
 
 class OpenAIPolicy(ChatMessages):
     name = "openai"
     Chat = _Chat
 
-    def __init__(self, base_url: str, model: str, *, api_key_env: str = "OPENAI_API_KEY",
-                 concurrency: int = 8, timeout_s: float = 300.0, max_retries: int = 3,
-                 backoff_s: float = 1.0, image_min_pixels: int = 3136,
-                 image_max_pixels: int = 2_000_000, extra_body: dict | None = None) -> None:
-        self.url = base_url.rstrip("/")
-        if not self.url.endswith("/v1"):
-            self.url += "/v1"
-        self.model = model
-        self.api_key = os.environ.get(api_key_env, "EMPTY")
+    def __init__(self, base_url: str, model: str | None = None, *,
+                 client: ClientConfig | None = None, concurrency: int = 8,
+                 image_min_pixels: int = 3136, image_max_pixels: int = 2_000_000,
+                 extra_body: dict | None = None, role: str = "model server",
+                 url_hint: str | None = None, model_hint: str | None = None,
+                 warn: bool = True, **client_overrides: Any) -> None:
+        """``client_overrides`` (``timeout_s``, ``max_retries``, ``backoff_s``, ``server`` ...)
+        replace fields of ``client``. ``model`` None: the one model the server lists."""
+        cfg = client or ClientConfig()
+        if client_overrides:
+            cfg = ClientConfig.model_validate({**cfg.model_dump(), **client_overrides})
+        kwargs = {k: v for k, v in (("url_hint", url_hint), ("model_hint", model_hint)) if v}
+        self.client = ChatClient(base_url, cfg, role=role, max_connections=concurrency,
+                                 warn=warn, **kwargs)
+        self.url = self.client.url
+        self._model = model
+        self._model_lock = threading.Lock()
         self.concurrency = concurrency
-        self.timeout_s = timeout_s
-        self.max_retries = max_retries
-        self.backoff_s = backoff_s
         self.min_pixels = image_min_pixels
         self.max_pixels = image_max_pixels
-        # vLLM keeps the stop string when asked; other servers ignore the extra field.
-        self.extra_body = {"include_stop_str_in_output": True, "skip_special_tokens": False,
-                           **(extra_body or {})}
-        self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="policy")
+        self.extra_body = dict(extra_body or {})
+        self._pool = DaemonPool(concurrency, "policy")
+
+    @property
+    def model(self) -> str:
+        """The served model's name (asked from the server once when none was given)."""
+        if self._model is None:
+            with self._model_lock:
+                if self._model is None:
+                    self._model = self.client.resolve_model(None)
+        return self._model
 
     # -- conversation state --------------------------------------------------------------------
 
@@ -80,61 +112,55 @@ class OpenAIPolicy(ChatMessages):
                 "observation": max(0, total - handle.prompt_tokens - handle.generated),
                 "visual": handle.visual}
 
+    def request_usage(self, handle: _Chat) -> dict[str, float]:
+        """What the server counted over the episode's requests (and its cost, where reported)."""
+        out: dict[str, float] = {"requests": len(handle.history),
+                                 "prompt_tokens": handle.billed_prompt,
+                                 "completion_tokens": handle.billed_completion}
+        if handle.cost is not None:
+            out["cost"] = handle.cost
+        return out
+
+    def activity(self) -> str | None:
+        """A short line while the server looks stalled (for progress displays)."""
+        return self.client.activity()
+
+    def close(self) -> None:
+        """Stop waiting for the server (requests in flight give up)."""
+        self.client.close()
+
     # -- generation ----------------------------------------------------------------------------
 
     def generate(self, handles: list[_Chat], sampling: Sampling) -> list[Generation]:
-        futures = [self._pool.submit(self._one, h, sampling) for h in handles]
-        return [f.result() for f in futures]
+        model = self.model
+        return wait_all([self._pool.submit(self._one, h, sampling, model) for h in handles])
 
-    def _post(self, body: dict) -> dict:
-        import httpx
-
-        last = ""
-        for attempt in range(self.max_retries + 1):
-            try:
-                resp = httpx.post(f"{self.url}/chat/completions", json=body,
-                                  headers={"Authorization": f"Bearer {self.api_key}"},
-                                  timeout=self.timeout_s)
-                if resp.status_code == 200:
-                    return resp.json()
-                last = f"HTTP {resp.status_code}: {resp.text[:200]}"
-                if resp.status_code not in RETRY_STATUS:
-                    break
-            except (httpx.HTTPError, ValueError) as exc:
-                last = f"{type(exc).__name__}: {str(exc)[:200]}"
-            if attempt < self.max_retries:
-                time.sleep(self.backoff_s * (2 ** attempt))
-        raise EndpointError(f"policy endpoint {self.url} did not answer after "
-                            f"{self.max_retries + 1} tries: {last}",
-                            hint="check that the server is running and --base-url / --model "
-                                 "point at it (e.g. `vllm serve MODEL --port 8000`)")
-
-    def _one(self, handle: _Chat, sampling: Sampling) -> Generation:
-        body = {"model": self.model, "messages": handle.messages,
+    def _one(self, handle: _Chat, sampling: Sampling, model: str) -> Generation:
+        body = {"model": model, "messages": handle.messages,
                 "max_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
                 "top_p": sampling.top_p, "stop": [CODE_STOP], **self.extra_body}
-        data = self._post(body)
-        try:
-            choice = data["choices"][0]
-            text = choice["message"]["content"] or ""
-        except (KeyError, IndexError, TypeError):
-            raise EndpointError(f"policy endpoint {self.url} returned an unexpected body: "
-                                f"{str(data)[:200]}", hint="is it an OpenAI-compatible chat "
-                                "completions endpoint?") from None
-        reason = choice.get("finish_reason")
-        stop_reason = choice.get("stop_reason")
-        if reason == "stop" and (stop_reason == CODE_STOP or (
-                "<code>" in text and CODE_STOP not in text and "<answer>" not in text)):
-            text += CODE_STOP
-        usage = data.get("usage") or {}
-        completion = int(usage.get("completion_tokens", len(text) // 4))
-        prompt = int(usage.get("prompt_tokens", 0))
+        reply = self.client.complete(body, parse=_read_choice)
+        text, reason = reply["text"], reply["finish"]
+        for marker in _END_MARKERS:
+            text = text.removesuffix(marker)
+        if reason == "stop" and CODE_STOP not in text and (
+                reply["matched"] == CODE_STOP or stopped_inside_code(text)):
+            text += CODE_STOP  # the server dropped the stop string
+        usage = reply["usage"]
+        completion = int(usage.get("completion_tokens") or len(text) // 4)
+        prompt = int(usage.get("prompt_tokens") or 0)
         if not handle.history:
             handle.prompt_tokens = prompt
         handle.last_prompt_tokens = prompt
         handle.generated += completion
+        handle.billed_prompt += prompt
+        handle.billed_completion += completion
+        if isinstance(reply["cost"], (int, float)):
+            handle.cost = (handle.cost or 0.0) + float(reply["cost"])
         handle.history.append(completion)
+        if CODE_STOP in text:
+            text = truncate_at_code_stop(text)
+            handle.messages.append({"role": "assistant", "content": text})
+            return Generation(text, "code", completion)
         handle.messages.append({"role": "assistant", "content": text})
-        if text.endswith(CODE_STOP) or CODE_STOP in text:
-            return Generation(truncate_at_code_stop(text), "code", completion)
         return Generation(text, "length" if reason == "length" else "eos", completion)

@@ -28,6 +28,24 @@ from pipelines.agent.trajectory import TokenTrace
 VISION_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
+def mm_token_type_ids(input_ids: Any, config: Any) -> Any:
+    """Each token's modality (0 text, 1 image, 2 video) as Qwen2.5-VL's forward wants it.
+
+    Without it the model silently falls back to 1-D positions for every token, while
+    LLaMA-Factory, verl and vLLM train and serve with 3-D (mRoPE) positions for vision tokens: on
+    the tiny SFT model the logits after an image differed by up to 4.0 between the two. Every
+    forward pass and ``generate`` call over a context with images must pass it.
+    """
+    import torch
+
+    types = torch.zeros_like(input_ids, dtype=torch.int32)
+    types[input_ids == config.image_token_id] = 1
+    video = getattr(config, "video_token_id", None)
+    if video is not None:
+        types[input_ids == video] = 2
+    return types
+
+
 @dataclass
 class TokenContext:
     """One episode's context, token for token."""
@@ -59,6 +77,16 @@ class ChatTokens:
         self.image_token_id = image_token_id or getattr(processor, "image_token_id", None) or \
             tok.convert_tokens_to_ids("<|image_pad|>")
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else self.im_end
+        self._closing: set[int] | None = None  # ids whose token text holds ">"
+
+    def ends_turn(self, tokens: list[int]) -> bool:
+        """Whether a turn's tokens so far end with the code stop ``</code>`` (checked by decoding
+        the tail only after a token that can close it)."""
+        if self._closing is None:
+            pieces = self.tokenizer.convert_ids_to_tokens(list(range(len(self.tokenizer))))
+            self._closing = {i for i, p in enumerate(pieces) if p and ">" in p}
+        return bool(tokens) and tokens[-1] in self._closing and \
+            CODE_STOP in self.tokenizer.decode(tokens[-8:], skip_special_tokens=False)
 
     @property
     def processor_kwargs(self) -> dict[str, int]:

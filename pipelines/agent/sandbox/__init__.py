@@ -544,8 +544,12 @@ class Sandbox:
 
     def __init__(self, config: SandboxConfig | None = None, *,
                  images: Mapping[str, Any] | None = None,
-                 videos: Mapping[str, Any] | None = None) -> None:
+                 videos: Mapping[str, Any] | None = None,
+                 context_pixels: tuple[int, int] | None = None) -> None:
+        """``context_pixels`` (min, max): shown images come back already at the size the model
+        sees them (Qwen2.5-VL's resize rule), figures drawn at about that size."""
         self.config = config or SandboxConfig()
+        self.context_pixels = context_pixels
         # Bad media is reported before anything runs.
         self._media: list[tuple[dict, bytes]] = []
         for name, value in (images or {}).items():
@@ -574,6 +578,7 @@ class Sandbox:
                 "max_open_files": c.max_open_files, "max_output_chars": c.max_output_chars,
                 "max_images_per_call": c.max_images_per_call,
                 "max_image_pixels": SHOWN_IMAGE_MAX_PIXELS, "max_image_bytes": MAX_IMAGE_BYTES,
+                "context_pixels": list(self.context_pixels) if self.context_pixels else None,
                 "tmp_mb": c.max_file_mb * 2 + media_mb + 16}
 
     def _start(self) -> None:

@@ -285,6 +285,29 @@ def apply_rlimits(limits: dict) -> None:
 # -- the runtime the model's code sees ----------------------------------------------------------
 
 
+def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = 3136,
+                 max_pixels: int = 2_000_000) -> tuple[int, int]:
+    """Qwen2-VL's resize rule: sides rounded to multiples of ``factor``, area within bounds.
+
+    The same arithmetic as ``qwen_vl_utils.smart_resize`` (checked by a test), without importing
+    that package, which pulls in torchvision (seconds of start-up). It lives here, in the one file
+    the isolated runtime can import, so that the runtime and the agent loop share it.
+    """
+    import math
+
+    h_bar = max(factor, round(height / factor) * factor)
+    w_bar = max(factor, round(width / factor) * factor)
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
 def _preload() -> dict:
     import matplotlib
 
@@ -370,6 +393,23 @@ class Runtime:
         else:
             self.images.append(png)
 
+    def _context_size(self, w: float, h: float) -> tuple[int, int] | None:
+        """The size the model will see an image of ``w`` x ``h`` at (Qwen2.5-VL's resize rule
+        with the agent's pixel bounds), or None when the sandbox was not told the bounds."""
+        bounds = self.limits.get("context_pixels")
+        if not bounds:
+            return None
+        ch, cw = smart_resize(int(h), int(w), min_pixels=bounds[0], max_pixels=bounds[1])
+        return cw, ch
+
+    def _to_context(self, img, size: tuple[int, int] | None = None):
+        """``img`` at its context size (or ``size``): the same resize the agent loop would do,
+        done here so that only the small image travels back."""
+        size = size or self._context_size(*img.size)
+        if size is None or size == img.size:
+            return img
+        return img.convert("RGB").resize(size)
+
     def add_pil(self, img) -> None:
         w, h = img.size
         self._check_aspect(w, h)
@@ -379,6 +419,7 @@ class Runtime:
         if scale < 1.0:
             img = img.resize((max(1, int(w * scale)), max(1, int(h * scale))),
                              self.Image.Resampling.BILINEAR, reducing_gap=2.0)
+        img = self._to_context(img)
         self._keep(self._png(lambda b: img.save(b, format="PNG", compress_level=1)))
 
     def add_figure(self, fig) -> None:
@@ -388,10 +429,19 @@ class Runtime:
             if not self._room():
                 return
             dpi = fig.dpi * self._fit(w, h, "figure")
+            size = self._context_size(w * dpi / fig.dpi, h * dpi / fig.dpi)
+            if size is not None:
+                # Drawn at about the size the model will see (never below it), not at full size
+                # and then shrunk: a 640x480 figure seen at 112x84 costs a fifth of the drawing.
+                dpi = min(dpi, fig.dpi * max(size[0] / w, size[1] / h) * 1.25)
             # No tight bbox (it draws the figure twice) and fast PNG compression: together they
             # halve the cost of a plt.show().
-            self._keep(self._png(lambda b: fig.savefig(
-                b, format="png", dpi=dpi, pil_kwargs={"compress_level": 1})))
+            png = self._png(lambda b: fig.savefig(b, format="png", dpi=dpi,
+                                                  pil_kwargs={"compress_level": 1}))
+            if size is not None:
+                img = self._to_context(self.Image.open(io.BytesIO(png)), size)
+                png = self._png(lambda b: img.save(b, format="PNG", compress_level=1))
+            self._keep(png)
         finally:
             self.plt.close(fig)
 

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from pipelines.config.recipe import Recipe
+from pipelines.trackers import verl_tracker_env
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 AGENT_LOOP_NAME = "pyvision_agent"
@@ -49,7 +50,6 @@ AGENT_LOOP_CLASS = "pipelines.rl.verl.agent_loop.PyVisionAgentLoop"
 REWARD_PATH = "pkg://pipelines.rl.verl.reward"
 SAMPLER_PATH = "pkg://pipelines.rl.verl.ranking"
 SAMPLER_NAME = "PyVisionReplayBuffer"
-MAX_ROUNDS = 3  # generation rounds per step, as the local engine (pipelines.rl.verl.ranking)
 _SAFE = re.compile(r"^[A-Za-z0-9_./@+:-]+$")
 _NOT_STRINGS = re.compile(r"^([-+]?[0-9._]+([eE][-+]?[0-9]+)?|true|false|null|none|nan|inf)$",
                           re.IGNORECASE)
@@ -138,7 +138,8 @@ def render(recipe: Recipe, *, model: str, paths: VerlPaths, has_val: bool,
     tokens = rl.max_prompt_tokens + rl.max_response_tokens
     strategy = rl.strategy.model_dump()
     env = {"PYTHONPATH": str(REPO_ROOT), "VERL_FILE_LOGGER_PATH": str(paths.metrics),
-           "PYVISION_VERL_RECIPE": str(paths.recipe)}
+           "PYVISION_VERL_RECIPE": str(paths.recipe),
+           **verl_tracker_env(recipe, paths.stage.parent.name, paths.stage.parent.parent)}
     out = [
         # algorithm: GRPO without std normalisation, no in-reward KL, no DAPO filter (ours ranks)
         Override("algorithm.adv_estimator", "grpo"),
@@ -213,16 +214,16 @@ def render(recipe: Recipe, *, model: str, paths: VerlPaths, has_val: bool,
           for k, v in strategy.items()],
         Override("trainer.v1.sampler.sampler_kwargs.gen_batch_size",
                  gen_batch_size(rl.prompts_per_step, rl.strategy.oversample_factor), add=True),
-        Override("trainer.v1.sampler.sampler_kwargs.max_rounds", MAX_ROUNDS, add=True),
         Override("trainer.nnodes", verl.nnodes),
         Override("trainer.n_gpus_per_node", verl.gpus_per_node),
         Override("trainer.total_epochs", verl.total_epochs),
         Override("trainer.save_freq", verl.save_freq),
         Override("trainer.test_freq", test_freq),
         Override("trainer.val_before_train", test_freq > 0),
-        Override("trainer.project_name", "pyvision"),
+        Override("trainer.project_name", recipe.report.wandb_project),
         Override("trainer.experiment_name", paths.stage.parent.name),
-        Override("trainer.logger", ["console", "file"]),
+        # verl's own trackers, in the folders the local engine's write to (pipelines/trackers.py)
+        Override("trainer.logger", ["console", "file", *recipe.report.trackers]),
         Override("trainer.default_local_dir", str(paths.checkpoints)),
         Override("trainer.resume_mode", "auto" if resume else "disable"),
         *[Override(f"ray_kwargs.ray_init.runtime_env.env_vars.{k}", v, add=True)

@@ -68,7 +68,6 @@ from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
 from pipelines.config.rl import StrategyConfig
 from pipelines.rl.strategy import Group, Rollout, Selection, broken_reason, select_groups
 
-MAX_ROUNDS = 3  # generation rounds per step, as the local engine's Selector
 STRATEGY_KEYS = tuple(StrategyConfig.model_fields)  # the sampler_kwargs the launcher sets from it
 
 
@@ -220,7 +219,7 @@ class PyVisionReplayBuffer(ReplayBuffer):
         self.strategy = StrategyConfig(**{k: sampler_kwargs[k] for k in STRATEGY_KEYS
                                           if k in sampler_kwargs})
         self.gen_batch_size = int(sampler_kwargs.get("gen_batch_size", 1))
-        self.max_rounds = int(sampler_kwargs.get("max_rounds", MAX_ROUNDS))
+        self.max_rounds = self.strategy.max_rounds
         self._cache: dict[str, GroupData] = {}
         self._step: int | None = None
         self._rounds = 0

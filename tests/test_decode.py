@@ -1,0 +1,100 @@
+"""The in-process policy's batched decoding: same tokens as transformers' generate, rows leave
+the batch as they stop, and each row is reported done exactly once."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from PIL import Image
+
+from pipelines.agent.policies.base import Sampling
+from pipelines.agent.policies.hf import HFPolicy
+from pipelines.agent.policies.tokens import mm_token_type_ids
+
+QUESTIONS = ["How many red objects are there?", "What colour is it?\n(A) red\n(B) blue",
+             "Where is the cyan square? Answer in a few words, please."]
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_model_dir) -> HFPolicy:
+    pol = HFPolicy.from_pretrained(str(tiny_model_dir), device="cpu", dtype="float32",
+                                   image_max_pixels=12544)
+    with torch.no_grad():  # sharper than the random init, so rows stop at different lengths
+        for p in pol.model.parameters():
+            p.mul_(6.0)
+    return pol
+
+
+def _handles(policy, with_images: bool):
+    out = []
+    for i, q in enumerate(QUESTIONS):
+        content = [{"type": "text", "text": q}]
+        if with_images:  # images of different sizes: different pad runs, so left padding
+            img = Image.new("RGB", (200 + 60 * i, 140), (200, 30 * i, 40))
+            content = [{"type": "image", "image": img}, *content]
+        out.append(policy.begin([{"role": "user", "content": content}]))
+    return out
+
+
+def _reference(policy, handle, max_new: int) -> list[int]:
+    """transformers' generate on one row alone (no padding), cut where our policy cuts."""
+    ids = torch.tensor([handle.ids])
+    kwargs = {}
+    if handle.pixel_values:
+        kwargs = {"pixel_values": torch.cat(handle.pixel_values),
+                  "image_grid_thw": torch.cat(handle.grids),
+                  "mm_token_type_ids": mm_token_type_ids(ids, policy.model.config)}
+    out = policy.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **kwargs,
+                                max_new_tokens=max_new, do_sample=False,
+                                eos_token_id=sorted(policy.eos_ids), pad_token_id=policy.pad_id)
+    return policy.tokens.cut(out[0, ids.shape[1]:].tolist())[0]
+
+
+@pytest.mark.parametrize("with_images", [False, True])
+def test_greedy_batch_equals_generate_row_by_row(policy, with_images):
+    want = [_reference(policy, h, 40) for h in _handles(policy, with_images)]
+    handles = _handles(policy, with_images)
+    done: list[int] = []
+    gens = policy.generate(handles, Sampling(40, 0.0, 1.0), on_done=lambda i, g: done.append(i))
+    assert [h.ids[h.prompt_len:] for h in handles] == want
+    assert sorted(done) == [0, 1, 2]
+    assert [g.n_tokens for g in gens] == [len(w) for w in want]
+    assert all(len(h.logprobs) == len(w) for h, w in zip(handles, want))
+
+
+def test_rows_that_stop_leave_the_batch_and_the_others_continue_unchanged(policy):
+    from pipelines.agent.policies.decode import decode_batch
+
+    long = [_reference(policy, h, 40) for h in _handles(policy, True)]
+    # A stop token that ends the rows at different lengths: the first token of row 0's turn
+    # that differs from everything row 2 generates, so row 2 runs on after row 0 has left.
+    stop = next(t for t in long[0][3:] if t not in long[2])
+    want = [w[: w.index(stop) + 1] if stop in w else w for w in long]
+    assert len({len(w) for w in want}) > 1
+    handles = _handles(policy, True)
+    longest = max(len(h.ids) for h in handles)
+    ids = torch.full((3, longest), policy.pad_id)
+    attn = torch.zeros((3, longest), dtype=torch.long)
+    for i, h in enumerate(handles):
+        ids[i, longest - len(h.ids):] = torch.tensor(h.ids)
+        attn[i, longest - len(h.ids):] = 1
+    vision = {"pixel_values": torch.cat([p for h in handles for p in h.pixel_values]),
+              "image_grid_thw": torch.cat([g for h in handles for g in h.grids]),
+              "mm_token_type_ids": mm_token_type_ids(ids, policy.model.config)}
+    order: list[int] = []
+    with torch.no_grad():
+        rows = decode_batch(policy.model, ids, attn, vision, max_new_tokens=40, temperature=0.0,
+                            top_p=1.0, stops=lambda toks: False, eos_ids=[stop],
+                            on_done=lambda i, row: order.append(i))
+    assert [r.tokens for r in rows] == want
+    assert order == sorted(range(3), key=lambda i: len(want[i]))  # reported as each one stops
+
+
+def test_a_seeded_sampled_batch_repeats(policy):
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(3)
+        handles = _handles(policy, True)
+        policy.generate(handles, Sampling(24, 1.0, 0.9))
+        runs.append([(h.ids[h.prompt_len:], h.logprobs) for h in handles])
+    assert runs[0] == runs[1]
