@@ -78,10 +78,11 @@ def evaluate(
         overrides.append(f"agent.max_turns_eval={max_turns}")
     recipe = load_recipe(config, overrides)
     names = names or list(recipe.eval.benchmarks)
-    from benchmarks import check_benchmark_name
+    if harness == "pyvision":  # lmms-eval takes its own task names (vstar_bench, ...)
+        from benchmarks import check_benchmark_name
 
-    for name in names:
-        check_benchmark_name(name)
+        for name in names:
+            check_benchmark_name(name)
     if engine != "openai":
         check_model(model)
     if data_dir is not None and not data_dir.exists():
