@@ -30,13 +30,19 @@ BENCHMARKS: dict[str, str] = {
 """Benchmark name -> ``"module:Class"``."""
 
 
-def benchmark_class(name: str) -> type[Benchmark]:
-    """The class registered as ``name``; an unknown name is a UserError naming the closest."""
+def check_benchmark_name(name: str) -> str:
+    """``name`` if it is a registered benchmark (imports nothing), else a UserError naming the
+    closest."""
     if name not in BENCHMARKS:
         close = difflib.get_close_matches(name, list(BENCHMARKS), n=1, cutoff=0.5)
         hint = f"did you mean '{close[0]}'?" if close else f"known: {', '.join(BENCHMARKS)}"
         raise UserError(f"unknown benchmark '{name}'", hint=hint)
-    module, _, cls = BENCHMARKS[name].partition(":")
+    return name
+
+
+def benchmark_class(name: str) -> type[Benchmark]:
+    """The class registered as ``name``; an unknown name is a UserError naming the closest."""
+    module, _, cls = BENCHMARKS[check_benchmark_name(name)].partition(":")
     return getattr(importlib.import_module(module), cls)
 
 

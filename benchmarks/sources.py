@@ -305,7 +305,7 @@ class MediaStore:
         try:
             with Image.open(io.BytesIO(data)) as img:
                 fmt = (img.format or "png").lower()
-        except (UnidentifiedImageError, OSError) as exc:
+        except (UnidentifiedImageError, Image.DecompressionBombError, OSError) as exc:
             raise DataError(f"{where}: the image cannot be decoded ({type(exc).__name__})",
                             hint="download the dataset again; the file may be truncated") from None
         ext = {"jpeg": "jpg"}.get(fmt, fmt)

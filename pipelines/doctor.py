@@ -36,7 +36,7 @@ PACKAGES: dict[str, tuple[str, str]] = {
     "av": ("writing synthetic videos", "make install"),
     "math-verify": ("maths verifier", "make install"),
     "vllm": ("--engine vllm (optional)", ("install vLLM in a separate GPU environment: "
-                                          "pip install vllm (see README, 'At scale')")),
+                                          "pip install vllm (see README, 'Evaluation')")),
 }
 OPTIONAL = {"vllm"}
 

@@ -26,7 +26,8 @@ class UserError(Exception):
         text = self.message.rstrip(". ")
         if self.hint:
             text += f". Fix: {self.hint.rstrip('. ')}"
-        return text.replace("\n", " ") + "."
+        text = text.replace("\n", " ")
+        return text if text.endswith(("?", "!")) else text + "."
 
 
 class ConfigError(UserError):

@@ -34,20 +34,59 @@ def atomic_write_json(path: str | Path, obj: Any) -> Path:
     return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_temp_dirs(path: Path) -> list[Path]:
+    """Remove the temp folders that earlier writers of ``path`` left behind when they were
+    killed (SIGKILL, a power cut): ``.<name>.<pid>.<random>.tmp`` whose process is gone."""
+    removed = []
+    prefix = f".{path.name}."
+    for tmp in path.parent.glob(f"{glob_escape(prefix)}*.tmp"):
+        middle = tmp.name[len(prefix):-len(".tmp")]
+        pid = middle.split(".", 1)[0]
+        if tmp.is_dir() and pid.isdigit() and "." in middle and not _pid_alive(int(pid)):
+            shutil.rmtree(tmp, ignore_errors=True)
+            removed.append(tmp)
+    return removed
+
+
+def glob_escape(text: str) -> str:
+    """``text`` with glob wildcards escaped."""
+    import glob
+
+    return glob.escape(text)
+
+
 @contextlib.contextmanager
 def atomic_dir(path: str | Path, *, overwrite: bool = False) -> Iterator[Path]:
     """Yield a temp folder beside ``path``; on success it is renamed to ``path``.
 
-    On an exception the temp folder is removed and ``path`` is untouched, so a crashed or
-    interrupted writer never leaves a half-written output behind.
+    On an exception (Ctrl-C and, in the CLI, SIGTERM included) the temp folder is removed and
+    ``path`` is untouched, so a crashed or interrupted writer never leaves a half-written output
+    behind. The temp folder's name carries the writer's pid: one left by a writer killed outright
+    is removed by the next writer of the same ``path``.
     """
     path = Path(path)
+    made = [d for d in (path.parent, *path.parent.parents) if not d.exists()]
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    remove_stale_temp_dirs(path)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp",
+                                dir=path.parent))
     try:
         yield tmp
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        for folder in made:  # deepest first; only the empty folders made for this output
+            with contextlib.suppress(OSError):
+                folder.rmdir()
         raise
     if path.exists():
         if not overwrite:

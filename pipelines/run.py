@@ -142,7 +142,8 @@ def run_pipeline(recipe: Recipe, *, store: Any, run_id: str | None = None,
             continue
         err.rule(f"[{i}/{len(selected)}] {stage}")
         start = time.monotonic()
-        sd.begin(force=force)
+        sd.begin(force=force, config_hint=f"pass --from {stage} --force to redo the stage "
+                 "with the new config, or --run-id NEW for a separate run")
         try:
             result = RUNNERS[stage](recipe, sd, show_progress)
         except BaseException as exc:

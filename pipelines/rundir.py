@@ -33,6 +33,8 @@ KEY_PACKAGES = ("torch", "torchvision", "transformers", "verl", "llamafactory", 
                 "vllm", "duckdb", "datasets", "huggingface-hub", "pydantic", "typer", "decord",
                 "av", "pillow", "numpy", "math-verify", "pyvision-rl")
 _RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+RUN_ID_RULE = ("letters, digits, '.', '_' and '-', starting with a letter or digit, at most 128 "
+               "characters")
 
 
 def package_versions(names: tuple[str, ...] = KEY_PACKAGES) -> dict[str, str | None]:
@@ -65,10 +67,14 @@ def new_run_id(name: str) -> str:
     return f"{name}-{stamp}"
 
 
+def valid_run_id(run_id: str) -> bool:
+    """The one rule for run ids, in every command: a single path component, never '..'."""
+    return bool(_RUN_ID_RE.fullmatch(run_id))
+
+
 def check_run_id(run_id: str) -> str:
-    if not _RUN_ID_RE.match(run_id):
-        raise UserError(f"invalid run id '{run_id}'",
-                        hint="use letters, digits, '.', '_' and '-' (at most 128 characters)")
+    if not valid_run_id(run_id):
+        raise UserError(f"invalid run id '{run_id}'", hint=f"use {RUN_ID_RULE}")
     return run_id
 
 
@@ -114,7 +120,31 @@ class StageDir:
     def _config_dict(self) -> dict[str, Any]:
         return self.config.model_dump(mode="json")
 
-    def check_same_config(self) -> None:
+    def prior_attempt(self) -> str | None:
+        """What an earlier, unfinished attempt at this stage left behind (its folder, its metrics
+        in the store), or None when there was none."""
+        found = []
+        if (self.path / "config.yaml").is_file():
+            found.append(f"its folder {self.path}")
+        if self.store is not None:
+            step = self.store.last_step(self.run_id, self.stage)
+            if step is not None:
+                found.append(f"metrics up to step {step} in the store")
+        return " and ".join(found) or None
+
+    def check_rerun(self, *, resume: bool, force: bool) -> None:
+        """Refuse to start an unfinished stage again from scratch without being told how:
+        ``--resume`` continues it, ``--force`` starts it over (and forgets its metrics). Without
+        either, a second set of metric rows would follow the first under the same run id."""
+        if resume or force:
+            return
+        found = self.prior_attempt()
+        if found:
+            raise UserError(f"{self.stage} of run '{self.run_id}' was started before ({found})",
+                            hint="pass --resume to continue it, --force to start it over, or "
+                                 "--run-id NEW for a separate run")
+
+    def check_same_config(self, hint: str | None = None) -> None:
         """Refuse to continue a run whose stored config differs from this one."""
         stored = self.path / "config.yaml"
         if not stored.is_file():
@@ -130,19 +160,27 @@ class StageDir:
             shown = ", ".join(changed[:5]) + (" ..." if len(changed) > 5 else "")
             raise UserError(
                 f"run '{self.run_id}' stage '{self.stage}' was made with a different config "
-                f"({shown} changed)", hint="pass --force to redo the stage, or --run-id NEW "
-                "for a separate run")
+                f"({shown} changed)", hint=hint or "pass --force to redo the stage, or "
+                "--run-id NEW for a separate run")
 
-    def begin(self, *, force: bool = False) -> None:
-        """Create the stage directory and record config and environment (manifest comes last)."""
-        if force:
+    def begin(self, *, force: bool = False, resume: bool = False,
+              config_hint: str | None = None) -> None:
+        """Create the stage directory and record config and environment (manifest comes last).
+
+        ``force`` starts the stage over: its folder and its metrics and results in the store are
+        removed. ``resume`` keeps them (the engine continues from its last checkpoint) and
+        requires the same config, unless ``force`` is given too: ``resume`` and ``force``
+        together continue from the checkpoint with the new config, which replaces the old one.
+        ``config_hint`` is the fix a config mismatch suggests.
+        """
+        if force and not resume:
             if self.path.exists():
                 shutil.rmtree(self.path)
             if self.store is not None:
                 # A redone stage must not leave the old attempt's metrics or results behind.
                 self.store.forget_stage(self.run_id, self.stage)
-        else:
-            self.check_same_config()
+        elif not force:
+            self.check_same_config(config_hint)
         self.path.mkdir(parents=True, exist_ok=True)
         atomic_write_text(self.path / "config.yaml",
                           yaml.safe_dump(self._config_dict(), sort_keys=False))
@@ -188,4 +226,7 @@ def stage_dir(config: BaseModel, stage: str, run_id: str | None, *, runs_dir: st
     # Absolute: stages hand these paths to subprocesses (LLaMA-Factory, verl) that run in other
     # working directories, and later stages read them back from manifests.
     root = Path(runs_dir if runs_dir is not None else getattr(config, "runs_dir", "runs")).resolve()
+    from pipelines.inputs import check_writable_dir
+
+    check_writable_dir(root, "the runs folder")
     return StageDir(root, rid, stage, config, store=store, recipe_path=recipe_path)

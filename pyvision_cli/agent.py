@@ -48,6 +48,11 @@ def run(
 
     if bool(image) == bool(video):
         raise UserError("pass either --image (one or more) or --video", hint="e.g. --image photo.jpg")
+    from pipelines.inputs import check_model, check_writable_dir
+
+    check_model(model)
+    if out_dir is not None:
+        check_writable_dir(out_dir, "--out-dir")
     overrides = list(set_ or [])
     if max_turns is not None:
         overrides.append(f"agent.max_turns_eval={max_turns}")
@@ -60,8 +65,6 @@ def run(
     from pipelines.agent.prompts import build_initial_messages, variant_for
 
     build_initial_messages(task, Path("/"), variant_for(task, recipe.agent), recipe.agent)  # validates media
-    if not model.startswith(("http://", "https://")) and not Path(model).exists():
-        raise UserError(f"model not found: {model}", hint="pass a local model folder or a server URL")
     policy = make_policy(model, served_model=served_model, agent_cfg=recipe.agent,
                          device=recipe.model.device, dtype=recipe.model.dtype,
                          client=recipe.eval.client,

@@ -20,6 +20,7 @@ import typer
 # Typer 0.29 vendors its own click (typer._click); exceptions and commands must come from it to
 # be recognised by Typer's main loop.
 from typer import _click as click
+from typer._click.exceptions import NoArgsIsHelpError, UsageError
 from typer.core import TyperGroup
 
 from pipelines.console import err
@@ -28,6 +29,22 @@ from pipelines.errors import UserError
 
 def debug_enabled() -> bool:
     return os.environ.get("PYVISION_DEBUG", "").lower() in ("1", "true", "yes")
+
+
+def print_error(message: str) -> None:
+    """One unwrapped red ``error:`` line on stderr."""
+    from rich.markup import escape
+
+    err.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True, highlight=False)
+
+
+def _usage_error(exc: UsageError) -> typer.Exit:
+    """A command-line error (unknown option, bad value, missing argument) as one line, like a
+    UserError: what is wrong, then where to read the options."""
+    where = exc.ctx.command_path if exc.ctx is not None else "pyvision"
+    message = " ".join(exc.format_message().replace("Value error, ", "").split()).rstrip(". ")
+    print_error(f"{message}. Fix: see `{where} --help`.")
+    return typer.Exit(exc.exit_code)
 
 
 def _reraise_user_errors(call, *args, **kwargs):
@@ -40,14 +57,43 @@ def _reraise_user_errors(call, *args, **kwargs):
     except UserError as exc:
         if debug_enabled():
             traceback.print_exc(file=sys.stderr)
-        from rich.markup import escape
-
-        err.print(f"[bold red]error:[/] {escape(exc.one_line())}", soft_wrap=True, highlight=False)
+        print_error(exc.one_line())
         raise typer.Exit(exc.exit_code) from None
+    except NoArgsIsHelpError:
+        raise
+    except UsageError as exc:  # e.g. an unknown subcommand
+        raise _usage_error(exc) from None
+
+
+def _parse_in_one_line(make_context, *args, **kwargs):
+    try:
+        return make_context(*args, **kwargs)
+    except NoArgsIsHelpError:
+        raise
+    except UsageError as exc:
+        raise _usage_error(exc) from None
+
+
+def _name_text_values(params: list[Any]) -> None:
+    """Help shows an option's value by name (``--families FAMILIES``), not as ``<str>``."""
+    for param in params:
+        if getattr(param, "bare_type", lambda: "")() not in ("str", "list[str]"):
+            continue
+        if param.param_type_name == "argument":  # its NAME says it already
+            param.display_type_rich = lambda ctx: None
+        elif param.metavar is None:
+            param.metavar = param.name.upper()
 
 
 class PyVisionGroup(TyperGroup):
     """A Typer group whose commands report UserError as one line with exit code 2."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _name_text_values(self.params)
+
+    def make_context(self, *args: Any, **kwargs: Any) -> click.Context:
+        return _parse_in_one_line(super().make_context, *args, **kwargs)
 
     def invoke(self, ctx: click.Context) -> Any:
         return _reraise_user_errors(super().invoke, ctx)
@@ -56,20 +102,34 @@ class PyVisionGroup(TyperGroup):
 class PyVisionCommand(typer.core.TyperCommand):
     """A single Typer command with the same UserError handling."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _name_text_values(self.params)
+
+    def make_context(self, *args: Any, **kwargs: Any) -> click.Context:
+        return _parse_in_one_line(super().make_context, *args, **kwargs)
+
     def invoke(self, ctx: click.Context) -> Any:
         return _reraise_user_errors(super().invoke, ctx)
 
 
+# Plain help (no Rich markup: a "[default: ...]" in a help text stays text), every default shown.
+APP_SETTINGS: dict[str, Any] = {
+    "add_completion": False, "pretty_exceptions_enable": False, "rich_markup_mode": None,
+    "context_settings": {"help_option_names": ["-h", "--help"], "show_default": True},
+}
+
+
 def make_app(help: str, *, group: bool = False, **kwargs: Any) -> typer.Typer:
-    """A Typer app with the project's conventions (no completion, no rich tracebacks).
+    """A Typer app with the project's conventions (no completion, no rich tracebacks, plain
+    help that shows defaults and choices).
 
     ``group=True`` keeps it a command group even with a single subcommand (``pyvision model
     tiny``); otherwise a one-command app is that command (``pyvision sft``).
     """
     app = typer.Typer(help=help, cls=PyVisionGroup,
-                      no_args_is_help=kwargs.pop("no_args_is_help", True), add_completion=False,
-                      pretty_exceptions_enable=False,
-                      context_settings={"help_option_names": ["-h", "--help"]}, **kwargs)
+                      no_args_is_help=kwargs.pop("no_args_is_help", True), **APP_SETTINGS,
+                      **kwargs)
     if group:
         @app.callback()
         def _group() -> None:
@@ -86,19 +146,41 @@ def command(app: typer.Typer, name: str | None = None, **kwargs: Any):
 # -- shared options --------------------------------------------------------------------------
 
 ConfigOpt = Annotated[Path | None, typer.Option(
-    "--config", "-c", help="Recipe YAML (default: pipelines/recipes/tiny-cpu.yaml).",
-    show_default=False)]
+    "--config", "-c", metavar="RECIPE",
+    help="Recipe YAML [default: pipelines/recipes/tiny-cpu.yaml].", show_default=False)]
 SetOpt = Annotated[list[str] | None, typer.Option(
-    "--set", help="Override a recipe key, e.g. --set rl.learning_rate=1e-6 (repeatable).",
+    "--set", metavar="KEY=VALUE",
+    help="Override a recipe key, e.g. --set rl.learning_rate=1e-6 (repeatable).",
     show_default=False)]
 StoreOpt = Annotated[Path | None, typer.Option(
-    "--store", envvar="PYVISION_STORE",
+    "--store", envvar="PYVISION_STORE", metavar="FILE",
     help="DuckDB store file [default: runs/pyvision.duckdb].", show_default=False)]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON on stdout.")]
 ForceOpt = Annotated[bool, typer.Option("--force", help="Redo stages that already finished.")]
+# sft and rl: what --resume and --force mean, alone and together.
+StageForceOpt = Annotated[bool, typer.Option("--force", help=(
+    "Start the stage over: its folder and its metrics in the store are removed first. With "
+    "--resume: continue from the last checkpoint although the config changed (the new config "
+    "replaces the old)."))]
+ResumeOpt = Annotated[bool, typer.Option("--resume", help=(
+    "Continue an unfinished stage from its last checkpoint; the metrics after that checkpoint "
+    "are replaced. Refused when the config changed, unless --force is given too."))]
+RERUN_CONFIG_HINT = ("pass --resume --force to continue from the last checkpoint with the new "
+                     "config, --force alone to start over, or --run-id NEW for a separate run")
+def check_run_id_option(value: str | None) -> str | None:
+    """The one run-id rule (:func:`pipelines.rundir.check_run_id`), applied while parsing."""
+    if value is None:
+        return None
+    from pipelines.rundir import RUN_ID_RULE, valid_run_id
+
+    if not valid_run_id(value):
+        raise typer.BadParameter(f"'{value}' is not a valid run id ({RUN_ID_RULE})")
+    return value
+
+
 RunIdOpt = Annotated[str | None, typer.Option(
-    "--run-id", help="Run id: runs/<run-id>/<stage>/ [default: the recipe's name].",
-    show_default=False)]
+    "--run-id", metavar="ID", callback=check_run_id_option,
+    help="Run id: runs/<run-id>/<stage>/ [default: the recipe's name].", show_default=False)]
 
 
 def load_recipe(config: Path | None, sets: list[str] | None):

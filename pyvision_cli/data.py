@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 
 from pyvision_cli.common import (
     ConfigOpt,
-    ForceOpt,
     JsonOpt,
     RunIdOpt,
     SetOpt,
@@ -26,13 +25,13 @@ app = make_app("Synthesise, download, import, validate and export data.", group=
 
 @command(app)
 def synth(
-    kind: Annotated[str, typer.Option(help="image-search | video")],
-    n: Annotated[int, typer.Option(help="Number of tasks.", min=1)],
+    kind: Annotated[Literal["image-search", "video"], typer.Option(help="Task kind.")],
+    n: Annotated[int, typer.Option(help="Number of tasks (the free disk space is checked first).", min=1, max=10_000_000)],
     out: Annotated[Path, typer.Option(help="Output folder (tasks.jsonl + media/).")],
     seed: Annotated[int, typer.Option(help="Seed (tasks are a function of seed, split, index).", min=0)] = 0,
-    split: Annotated[str, typer.Option(help="train | heldout (disjoint seed streams).")] = "train",
+    split: Annotated[Literal["train", "heldout"], typer.Option(help="Split (disjoint seed streams).")] = "train",
     families: Annotated[str | None, typer.Option(help="Comma-separated families [default: all but text].")] = None,
-    force: ForceOpt = False,
+    force: Annotated[bool, typer.Option("--force", help="Replace a finished set in --out.")] = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Verifiable synthetic tasks: visual search on large canvases, or short videos."""
@@ -83,12 +82,14 @@ def trajectories(
     limit: Annotated[int | None, typer.Option(help="Only the first N tasks.", min=1)] = None,
     config: ConfigOpt = None,
     set_: SetOpt = None,
-    force: ForceOpt = False,
+    force: Annotated[bool, typer.Option("--force", help="Replace finished trajectories in --out.")] = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Cold-start SFT trajectories: solver code executed in the real sandbox; wrong ones dropped."""
     from pipelines.data.trajectories import make_trajectories
+    from pipelines.inputs import check_writable_dir
 
+    check_writable_dir(out, "output folder")
     recipe = load_recipe(config, set_)
     manifest = make_trajectories(tasks, out, seed=seed, agent_cfg=recipe.agent,
                                  sandbox_cfg=recipe.sandbox, limit=limit, force=force)
@@ -152,7 +153,7 @@ def distill(
 
 @command(app)
 def export(
-    fmt: Annotated[str, typer.Option("--format", help="llamafactory | verl")],
+    fmt: Annotated[Literal["llamafactory", "verl"], typer.Option("--format", help="Target trainer's format.")],
     source: Annotated[list[Path], typer.Option(help="Conversations folder(s) (llamafactory) or tasks folder(s) (verl).")],
     out: Annotated[Path, typer.Option(help="Output folder.")],
     name: Annotated[str, typer.Option(help="Dataset name (llamafactory) / file stem (verl).")] = "pyvision_sft",
@@ -164,6 +165,9 @@ def export(
 ) -> None:
     """LLaMA-Factory sharegpt + dataset_info.json, or verl RL parquet."""
     from pipelines.errors import UserError
+    from pipelines.inputs import check_writable_dir
+
+    check_writable_dir(out, "output folder")
 
     if fmt == "llamafactory":
         from pipelines.data.export_llamafactory import export_llamafactory
@@ -200,7 +204,9 @@ def download(
 ) -> None:
     """Download from the Hugging Face hub (resumable) and convert to canonical records."""
     from pipelines.data.hub import download as _download
+    from pipelines.inputs import check_writable_dir
 
+    check_writable_dir(out or Path("data") / name, "output folder")
     manifest = _download(name, out or Path("data") / name, strict=strict)
     err.print(f"[green]{name}[/]: {manifest}")
     if json_out:
@@ -217,7 +223,9 @@ def import_(
 ) -> None:
     """Convert a copy downloaded elsewhere into canonical records (for offline machines)."""
     from pipelines.data.hub import import_dataset
+    from pipelines.inputs import check_writable_dir
 
+    check_writable_dir(out or Path("data") / name, "output folder")
     manifest = import_dataset(name, from_dir, out or Path("data") / name, strict=strict)
     err.print(f"[green]{name}[/]: kept {manifest.get('kept', '-')} of {manifest.get('read', '-')} rows; "
               f"skipped {manifest.get('skipped', {}) or 'none'}")
@@ -231,7 +239,7 @@ def prepare(
     set_: SetOpt = None,
     run_id: RunIdOpt = None,
     store: StoreOpt = None,
-    force: ForceOpt = False,
+    force: Annotated[bool, typer.Option("--force", help="Redo the data stage although it finished.")] = False,
     json_out: JsonOpt = False,
 ) -> None:
     """The recipe's data stage: synthetic sets, trajectories, base model, LLaMA-Factory export."""

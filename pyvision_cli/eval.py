@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 
 from pyvision_cli.common import (
+    APP_SETTINGS,
     ConfigOpt,
     JsonOpt,
     PyVisionGroup,
     RunIdOpt,
     SetOpt,
     StoreOpt,
+    check_run_id_option,
     command,
     err,
     load_recipe,
@@ -21,42 +23,43 @@ from pyvision_cli.common import (
 )
 
 app = typer.Typer(help="Evaluate agentically on V*, HRBench, MathVerse, VSI-Bench and synthetic sets.",
-                  cls=PyVisionGroup, add_completion=False, pretty_exceptions_enable=False,
-                  invoke_without_command=True, no_args_is_help=False,
-                  context_settings={"help_option_names": ["-h", "--help"]})
+                  cls=PyVisionGroup, invoke_without_command=True, no_args_is_help=False,
+                  **APP_SETTINGS)
 
 
 @app.callback(invoke_without_command=True)
 def evaluate(
     ctx: typer.Context,
-    model: Annotated[str | None, typer.Option(help="Local model folder or OpenAI-compatible server URL.")] = None,
-    benchmarks: Annotated[str | None, typer.Option(help="Comma-separated: vstar,hrbench4k,hrbench8k,mathverse,vsibench,synth-image,synth-video [default: eval.benchmarks].")] = None,
+    model: Annotated[str | None, typer.Option(metavar="PATH|URL", help="Local model folder, hub id, or OpenAI-compatible server URL.")] = None,
+    benchmarks: Annotated[str | None, typer.Option(metavar="NAME[,NAME...]", help="Comma-separated: vstar,hrbench4k,hrbench8k,mathverse,vsibench,synth-image,synth-video [default: eval.benchmarks].")] = None,
     limit: Annotated[int | None, typer.Option(help="First N samples of each benchmark.", min=1)] = None,
-    engine: Annotated[str | None, typer.Option(help="hf | openai | vllm [default: eval.engine].")] = None,
+    engine: Annotated[Literal["hf", "openai", "vllm"] | None, typer.Option(help="Inference engine [default: eval.engine; openai for a URL].")] = None,
     max_turns: Annotated[int | None, typer.Option(help="Most assistant turns [default: agent.max_turns_eval].", min=1)] = None,
-    data_dir: Annotated[Path | None, typer.Option(help="Local copy of the benchmark in the published layout, or a folder holding one such copy per benchmark (vstar/, hrbench/, mathverse/, vsibench/ ...).")] = None,
+    data_dir: Annotated[Path | None, typer.Option(metavar="DIR", help="Local copy of the benchmark in the published layout, or a folder holding one such copy per benchmark (vstar/, hrbench/, mathverse/, vsibench/ ...).")] = None,
     served_model: Annotated[str | None, typer.Option(help="Model name sent to a server URL.")] = None,
-    model_tag: Annotated[str | None, typer.Option(help="Name of this model in the store and report [default: the model path].")] = None,
-    harness: Annotated[str, typer.Option(help="pyvision (our loop) | lmms-eval (run lmms-eval with our plugin).")] = "pyvision",
-    include_path: Annotated[Path | None, typer.Option(help="Folder of extra lmms-eval task YAMLs (--harness lmms-eval).")] = None,
+    model_tag: Annotated[str | None, typer.Option(metavar="TAG", help="Name of this model in the store and report [default: the model path].")] = None,
+    harness: Annotated[Literal["pyvision", "lmms-eval"], typer.Option(help="pyvision: our loop; lmms-eval: run lmms-eval with our plugin.")] = "pyvision",
+    include_path: Annotated[Path | None, typer.Option(metavar="DIR", help="Folder of extra lmms-eval task YAMLs (--harness lmms-eval).")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Forget every sample stored under this run id (all model tags) and evaluate again; needed to change agent or sandbox settings of a run.")] = False,
     config: ConfigOpt = None,
     set_: SetOpt = None,
     run_id: RunIdOpt = None,
     store: StoreOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Run the agent loop on every sample; store trajectories, scores and aggregates (resumable)."""
+    """Run the agent loop on every sample; store trajectories, scores and aggregates.
+
+    Re-running the same run id resumes: samples stored by the same weights are skipped. A re-run
+    with other agent or sandbox settings (--max-turns, agent.eval_temperature ...) is refused
+    rather than mixed with the stored samples: use a new --run-id, or --force."""
     if ctx.invoked_subcommand is not None:
         return
     from pipelines.errors import UserError
+    from pipelines.inputs import check_model
 
     if model is None:
         raise UserError("--model is required", hint="e.g. pyvision eval --model runs/demo/rl/model "
                         "--benchmarks synth-image --data-dir runs/demo/data/synth/image-search/heldout")
-    if engine is not None and engine not in ("hf", "openai", "vllm"):
-        raise UserError(f"unknown --engine '{engine}'", hint="use hf, openai or vllm")
-    if harness not in ("pyvision", "lmms-eval"):
-        raise UserError(f"unknown --harness '{harness}'", hint="use pyvision or lmms-eval")
     if harness == "lmms-eval" and data_dir is not None:
         raise UserError("--data-dir is not used by --harness lmms-eval (its tasks load their own "
                         "data)", hint="write a local task YAML (dataset_path: json, data_files) "
@@ -64,21 +67,39 @@ def evaluate(
     if harness == "pyvision" and include_path is not None:
         raise UserError("--include-path only applies to --harness lmms-eval",
                         hint="drop it, or add --harness lmms-eval")
+    names = None
+    if benchmarks is not None:
+        names = list(dict.fromkeys(b.strip() for b in benchmarks.split(",") if b.strip()))
+        if not names:
+            raise UserError(f"--benchmarks '{benchmarks}' names no benchmark",
+                            hint="e.g. --benchmarks vstar,hrbench4k")
     overrides = list(set_ or [])
     if max_turns is not None:
         overrides.append(f"agent.max_turns_eval={max_turns}")
     recipe = load_recipe(config, overrides)
-    if config is None:
-        # The embedded recipe is sized for the tiny CPU model; a real model evaluated with it
-        # would see downscaled images and few turns without saying so.
-        a = recipe.agent
-        err.print(f"[yellow]note:[/] no -c given: the tiny-cpu recipe's agent settings apply "
-                  f"(max_turns_eval={a.max_turns_eval}, image_max_pixels={a.image_max_pixels}, "
-                  f"max_new_tokens_per_turn={a.max_new_tokens_per_turn}); for a 7B model pass "
-                  f"-c pipelines/recipes/pyvision-image-7b.yaml (or pyvision-video-7b.yaml)",
-                  soft_wrap=True)
-    names = [b.strip() for b in benchmarks.split(",") if b.strip()] if benchmarks \
-        else list(recipe.eval.benchmarks)
+    names = names or list(recipe.eval.benchmarks)
+    if harness == "pyvision":  # lmms-eval takes its own task names (vstar_bench, ...)
+        from benchmarks import check_benchmark_name
+
+        for name in names:
+            check_benchmark_name(name)
+    if engine != "openai":
+        check_model(model)
+    if data_dir is not None and not data_dir.exists():
+        raise UserError(f"--data-dir {data_dir} not found",
+                        hint="pass the folder `pyvision data download` or the data stage wrote")
+
+    def note_default_recipe() -> None:
+        if config is None:
+            # The embedded recipe is sized for the tiny CPU model; a real model evaluated with it
+            # would see downscaled images and few turns without saying so.
+            a = recipe.agent
+            err.print(f"[yellow]note:[/] no -c given: the tiny-cpu recipe's agent settings apply "
+                      f"(max_turns_eval={a.max_turns_eval}, image_max_pixels={a.image_max_pixels}, "
+                      f"max_new_tokens_per_turn={a.max_new_tokens_per_turn}); for a 7B model pass "
+                      f"-c pipelines/recipes/pyvision-image-7b.yaml (or pyvision-video-7b.yaml)",
+                      soft_wrap=True)
+
     from pipelines.store import Store
 
     st = Store(store)
@@ -89,7 +110,13 @@ def evaluate(
                 "config": recipe.model_dump(mode="json")}
     if harness == "lmms-eval":
         from pipelines.eval.lmms import run_lmms_eval
+        from pipelines.eval.runner import check_same_eval_settings
 
+        if force:
+            raise UserError("--force applies to --harness pyvision",
+                            hint="pass a new --run-id for a separate lmms-eval run")
+        check_same_eval_settings(st, rid, recipe)
+        note_default_recipe()
         results = run_lmms_eval(model, names, run_id=rid, model_tag=tag, store=st, limit=limit,
                                 recipe=recipe, include_path=include_path, engine=engine,
                                 served_model=served_model, register_run=register)
@@ -102,7 +129,7 @@ def evaluate(
                            store=st, data_dirs=dirs, limit=limit,
                            engine=engine or ("openai" if is_url else recipe.eval.engine),
                            base_url=model if is_url else None, served_model=served_model,
-                           register_run=register)
+                           register_run=register, force=force, on_checked=note_default_recipe)
     if json_out:
         scored_by = {bench: counts for (_, model, bench), counts in st.eval_scored_by([rid]).items()
                      if model == tag}
@@ -113,7 +140,7 @@ def evaluate(
 def score(
     benchmark: Annotated[str, typer.Option(help="Benchmark name, e.g. vsibench.")],
     predictions: Annotated[Path | None, typer.Option(help="JSONL: the benchmark's own fields plus `prediction`.")] = None,
-    run_id: Annotated[str | None, typer.Option("--run-id", help="Instead of --predictions: score this evaluation run's stored predictions again, asking the judge for the samples its rule fallback scored.", show_default=False)] = None,
+    run_id: Annotated[str | None, typer.Option("--run-id", metavar="ID", callback=check_run_id_option, help="Instead of --predictions: score this evaluation run's stored predictions again, asking the judge for the samples its rule fallback scored.", show_default=False)] = None,
     model_tag: Annotated[str | None, typer.Option(help="With --run-id: only this model tag (otherwise every model the run evaluated).", show_default=False)] = None,
     config: Annotated[Path | None, typer.Option("--config", "-c", help="With --run-id: recipe whose reward.judge is asked (otherwise the recipe stored with the run).", show_default=False)] = None,
     set_: SetOpt = None,

@@ -83,8 +83,17 @@ def _root(
         os.environ["PYVISION_DEBUG"] = "1"
 
 
+def _terminated(signum: int, frame: Any) -> None:
+    # SIGTERM (`kill`, a job scheduler's stop) unwinds like Ctrl-C: temp folders are removed,
+    # finished samples committed, the stage marked failed; then exit 128 + 15.
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> Any:
     """Console-script entry point."""
+    import signal
+
+    signal.signal(signal.SIGTERM, _terminated)
     return app(args=argv, prog_name="pyvision")
 
 

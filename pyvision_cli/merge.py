@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 
@@ -16,7 +16,7 @@ app = make_app("Merge a LoRA adapter or a verl checkpoint into a Hugging Face mo
 @command(app)
 def merge(
     out: Annotated[Path, typer.Option("--out", help="Folder for the merged model.")],
-    engine: Annotated[str, typer.Option(help="`lora`: LoRA adapter via LLaMA-Factory; "
+    engine: Annotated[Literal["lora", "verl"], typer.Option(help="`lora`: LoRA adapter via LLaMA-Factory; "
                                               "`verl`: verl FSDP checkpoint via verl.model_merger.")] = "lora",
     lora: Annotated[Path | None, typer.Option(help="LoRA adapter folder (engine lora).")] = None,
     base: Annotated[str | None, typer.Option(help="Base model path or hub id (engine lora).")] = None,
@@ -28,10 +28,11 @@ def merge(
 ) -> None:
     """Merge, then check the result loads (config, processor, weight names and shapes)."""
     from pipelines.errors import UserError
+    from pipelines.inputs import check_writable_dir
     from pipelines.merge import merge_lora, merge_verl
 
-    if engine not in ("lora", "verl"):
-        raise UserError(f"unknown --engine '{engine}'", hint="use --engine lora or --engine verl")
+    check_writable_dir(out, "--out")
+
     if engine == "lora":
         if lora is None or base is None:
             raise UserError("--engine lora needs --lora ADAPTER and --base MODEL",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 
@@ -27,7 +27,7 @@ app = make_app("Build, pretrain and probe the tiny offline Qwen2.5-VL.", group=T
 @command(app)
 def tiny(
     out_dir: Annotated[Path, typer.Argument(help="Folder to write the model into.")],
-    size: Annotated[str, typer.Option(help="nano (unit tests, ~0.4M params) or small (demo, ~5M).")] = "small",
+    size: Annotated[Literal["nano", "small"], typer.Option(help="nano (unit tests, ~0.4M params) or small (demo, ~5M).")] = "small",
     seed: Annotated[int, typer.Option(help="Seed for tokenizer corpus and weights.", min=0)] = 0,
     force: Annotated[bool, typer.Option("--force", help="Replace a non-empty OUT_DIR.")] = False,
     json_out: JsonOpt = False,
@@ -35,6 +35,9 @@ def tiny(
     """Build a randomly initialised Qwen2.5-VL with a locally trained tokenizer, offline."""
     import time
 
+    from pipelines.inputs import check_writable_dir
+
+    check_writable_dir(out_dir, "output folder")  # before torch is imported: an instant answer
     from pipelines.models.tiny import build_tiny_model, describe_model
 
     start = time.monotonic()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 
@@ -15,7 +15,7 @@ app = make_app("Benchmarks of the project's own speed (JSON with --json).", grou
 def perf_sandbox(
     repeats: Annotated[int, typer.Option(help="Samples per measurement.", min=3)] = 30,
     n_concurrent: Annotated[int, typer.Option(help="Live sandboxes at once.", min=1)] = 64,
-    isolation: Annotated[str, typer.Option(help="auto | bwrap | rlimit")] = "auto",
+    isolation: Annotated[Literal["auto", "bwrap", "rlimit"], typer.Option(help="Sandbox isolation (see `pyvision sandbox run --help`).")] = "auto",
     json_out: JsonOpt = False,
 ) -> None:
     """Sandbox start time, call overhead, 1024x1024 crop-and-show, and N live sandboxes.
@@ -42,7 +42,7 @@ def perf_sandbox(
 def perf_eval(
     n_image: Annotated[int, typer.Option(help="Synthetic held-out image-search samples.", min=0)] = 8,
     n_video: Annotated[int, typer.Option(help="Synthetic held-out video samples.", min=0)] = 4,
-    size: Annotated[str, typer.Option(help="Tiny model size: nano | small.")] = "nano",
+    size: Annotated[Literal["nano", "small"], typer.Option(help="Tiny model size.")] = "nano",
     model: Annotated[str | None, typer.Option(help="Measure this model folder instead of a fresh tiny one (e.g. runs/demo/rl/model).")] = None,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens per assistant turn.", min=8)] = 64,
     max_turns: Annotated[int, typer.Option(help="Most assistant turns per sample.", min=1)] = 4,
@@ -70,7 +70,7 @@ def perf_eval(
 @command(app, "rl")
 def perf_rl(
     model: Annotated[str | None, typer.Option(help="Policy to measure (default: a fresh tiny model).")] = None,
-    size: Annotated[str, typer.Option(help="Tiny model size when no --model: nano | small.")] = "small",
+    size: Annotated[Literal["nano", "small"], typer.Option(help="Tiny model size when no --model.")] = "small",
     tasks: Annotated[str | None, typer.Option(help="RL prompt folder (default: synthetic image tasks).")] = None,
     prompts: Annotated[int, typer.Option(help="Prompts per round.", min=1)] = 4,
     n: Annotated[int, typer.Option(help="Rollouts per prompt.", min=2)] = 4,

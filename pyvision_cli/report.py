@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 
@@ -11,13 +11,11 @@ from pyvision_cli.common import StoreOpt, command, err, make_app, print_json
 
 app = make_app("Results tables, training curves and an HTML report.", no_args_is_help=False)
 
-FORMATS = ("table", "markdown", "html", "json")
-
 
 @command(app)
 def report(
     run: Annotated[list[str] | None, typer.Option("--run", help="Run id(s) to include (repeatable) [default: all].")] = None,
-    fmt: Annotated[str, typer.Option("--format", help="table | markdown | html | json")] = "table",
+    fmt: Annotated[Literal["table", "markdown", "html", "json"], typer.Option("--format", help="table: terminal; markdown / html: files in --out; json: stdout.")] = "table",
     out: Annotated[Path | None, typer.Option("--out", help="Folder for report files and plots [default: runs/report].")] = None,
     store: StoreOpt = None,
 ) -> None:
@@ -26,20 +24,27 @@ def report(
     `table` prints to the terminal; `markdown` and `html` write report.md / report.html (with PNG
     plots) into --out; `json` prints {"runs": [..], "results": [..]} on stdout.
     """
-    from pipelines.errors import UserError
     from pipelines.report import collect, to_json, write_report
     from pipelines.store import Store
 
-    if fmt not in FORMATS:
-        raise UserError(f"unknown --format '{fmt}'", hint=f"use one of {', '.join(FORMATS)}")
     st = Store(store, read_only=True)
     if fmt == "json":
-        print_json(to_json(collect(st, run)))
+        with st.session():  # one connection for every read: the lock is held once, briefly
+            data = collect(st, run)
+        print_json(to_json(data))
         return
     if fmt == "table":
         print_results(st, run)
         return
-    written = write_report(st, run, [fmt], out or Path("runs") / "report")
+    target = out or Path("runs") / "report"
+    from pipelines.inputs import check_writable_dir
+
+    check_writable_dir(target, "--out")
+    if not run and not st.runs():
+        # As the table and JSON say for an empty store: nothing to show, and no error.
+        err.print(f"no runs in the store {st.path} yet; nothing written")
+        return
+    written = write_report(st, run, [fmt], target)
     for kind, path in written.items():
         err.print(f"{kind}: {path}")
 
@@ -64,7 +69,8 @@ def print_results(store, runs: list[str] | None, console=None, *, headline: bool
     from pipelines.report.terminal import print_headline, print_table
 
     console = console or err
-    data = collect(store, runs)
+    with store.session():  # one connection for every read: the lock is held once, briefly
+        data = collect(store, runs)
     if headline:
         from pipelines.report import headline as sentences
 

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 
 from pyvision_cli.common import (
+    RERUN_CONFIG_HINT,
     ConfigOpt,
-    ForceOpt,
     JsonOpt,
+    ResumeOpt,
     RunIdOpt,
     SetOpt,
+    StageForceOpt,
     StoreOpt,
     command,
     err,
@@ -29,16 +31,19 @@ def rl(
     set_: SetOpt = None,
     run_id: RunIdOpt = None,
     store: StoreOpt = None,
-    force: ForceOpt = False,
-    engine: Annotated[str | None, typer.Option(help="local | verl [default: rl.engine].")] = None,
-    resume: Annotated[bool, typer.Option("--resume", help="Continue from the last checkpoint.")] = False,
-    model: Annotated[str | None, typer.Option(help="Policy to start from [default: the SFT model].")] = None,
-    tasks: Annotated[list[str] | None, typer.Option(help="RL prompt folder(s) [default: the data stage's].")] = None,
+    force: StageForceOpt = False,
+    engine: Annotated[Literal["local", "verl"] | None, typer.Option(help="Training engine [default: rl.engine].")] = None,
+    resume: ResumeOpt = False,
+    model: Annotated[str | None, typer.Option(metavar="PATH", help="Policy to start from [default: the SFT model].")] = None,
+    tasks: Annotated[list[str] | None, typer.Option(metavar="DIR", help="RL prompt folder(s), repeatable [default: the data stage's].")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="verl: write the launch files and print the command, start nothing.")] = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Oversample, filter zero-variance and broken groups, rank by reward std; GRPO without std
-    normalisation; accumulative tool reward. Metrics stream into the store every step."""
+    normalisation; accumulative tool reward. Metrics stream into the store every step.
+
+    A stage that was started and did not finish is not started again silently: pass --resume to
+    continue it or --force to start it over."""
     from pipelines.rl.stage import resolve_rl_inputs, run_rl
     from pipelines.rundir import stage_dir
     from pipelines.store import Store
@@ -48,13 +53,16 @@ def rl(
     sd = stage_dir(recipe, "rl", run_id, runs_dir=None, store=Store(store),
                    recipe_path=str(config) if config else None)
     if sd.is_complete() and not force and not dry_run:
-        err.print(f"rl of run '{sd.run_id}' already finished ({sd.manifest_path}); pass --force to redo it")
+        err.print(f"rl of run '{sd.run_id}' already finished ({sd.manifest_path}); pass --force "
+                  "to redo it (with --resume: continue it with a changed config)")
         if json_out:
             print_json(sd.manifest())
         return
+    # Everything is checked before the first write: a bad input leaves no folder or store row.
     start_model, task_dirs = resolve_rl_inputs(recipe, sd, model=model, tasks=tasks)
     if not dry_run:
-        sd.begin(force=force and not resume)
+        sd.check_rerun(resume=resume, force=force)
+        sd.begin(force=force, resume=resume, config_hint=RERUN_CONFIG_HINT)
     try:
         result = run_rl(recipe, sd, model=start_model, task_dirs=task_dirs, resume=resume,
                         dry_run=dry_run)

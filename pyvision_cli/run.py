@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 
@@ -20,6 +20,8 @@ from pyvision_cli.common import (
     print_json,
 )
 
+# pipelines.rundir.STAGES, spelled out so that --help imports nothing (tests/test_cli.py checks).
+Stage = Literal["data", "sft", "rl", "merge", "eval", "report"]
 app = make_app("Run a recipe end to end: data, sft, rl, merge, eval, report.")
 
 
@@ -29,8 +31,8 @@ def run(
     set_: SetOpt = None,
     run_id: RunIdOpt = None,
     store: StoreOpt = None,
-    from_stage: Annotated[str | None, typer.Option("--from", help="First stage to run.")] = None,
-    until_stage: Annotated[str | None, typer.Option("--until", help="Last stage to run.")] = None,
+    from_stage: Annotated[Stage | None, typer.Option("--from", help="First stage to run [default: data].")] = None,
+    until_stage: Annotated[Stage | None, typer.Option("--until", help="Last stage to run [default: report].")] = None,
     force: ForceOpt = False,
     json_out: JsonOpt = False,
 ) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 
@@ -19,7 +19,7 @@ def run(
     video: Annotated[Path | None, typer.Option(help="Video: video_clue_0 (decord VideoReader).")] = None,
     timeout: Annotated[float, typer.Option(help="Wall-clock limit in seconds.", min=0.1)] = 30.0,
     memory_mb: Annotated[int, typer.Option(help="Address-space limit in MiB.", min=64)] = 2048,
-    isolation: Annotated[str, typer.Option(help="auto | bwrap | rlimit")] = "auto",
+    isolation: Annotated[Literal["auto", "bwrap", "rlimit"], typer.Option(help="bwrap: namespaces; rlimit: limits only; auto: bwrap when it works.")] = "auto",
     out_dir: Annotated[Path | None, typer.Option(help="Where displayed images are written [default: a new temp dir].")] = None,
     json_out: JsonOpt = False,
 ) -> None:
@@ -29,9 +29,11 @@ def run(
     from pipelines.agent.sandbox import Sandbox
     from pipelines.config.loader import validate
     from pipelines.config.sandbox import SandboxConfig
-    from pipelines.errors import require_file
+    from pipelines.inputs import check_writable_dir, read_text
 
-    code = require_file(code_file, "code file").read_text(encoding="utf-8")
+    code = read_text(code_file, "code file")
+    if out_dir is not None:
+        check_writable_dir(out_dir, "--out-dir")
     cfg = validate(SandboxConfig, {"timeout_s": timeout, "memory_mb": memory_mb,
                                    "isolation": isolation}, "command-line options")
     images = {f"image_clue_{i}": p for i, p in enumerate(image or [])}

@@ -7,11 +7,13 @@ from typing import Annotated
 import typer
 
 from pyvision_cli.common import (
+    RERUN_CONFIG_HINT,
     ConfigOpt,
-    ForceOpt,
     JsonOpt,
+    ResumeOpt,
     RunIdOpt,
     SetOpt,
+    StageForceOpt,
     StoreOpt,
     command,
     err,
@@ -29,11 +31,11 @@ def sft(
     set_: SetOpt = None,
     run_id: RunIdOpt = None,
     store: StoreOpt = None,
-    force: ForceOpt = False,
-    resume: Annotated[bool, typer.Option("--resume", help="Continue from the last checkpoint.")] = False,
-    model: Annotated[str | None, typer.Option(help="Base model path [default: from the data stage].")] = None,
-    dataset_dir: Annotated[str | None, typer.Option(help="LLaMA-Factory dataset folder (holds dataset_info.json).")] = None,
-    dataset: Annotated[str | None, typer.Option(help="Dataset name in dataset_info.json.")] = None,
+    force: StageForceOpt = False,
+    resume: ResumeOpt = False,
+    model: Annotated[str | None, typer.Option(metavar="PATH", help="Base model folder or hub id [default: from the data stage].")] = None,
+    dataset_dir: Annotated[str | None, typer.Option(metavar="DIR", help="LLaMA-Factory dataset folder (holds dataset_info.json) [default: from the data stage].")] = None,
+    dataset: Annotated[str | None, typer.Option(metavar="NAME", help="Dataset name in dataset_info.json [default: from the data stage].")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Write the LLaMA-Factory YAML and stop.")] = False,
     json_out: JsonOpt = False,
 ) -> None:
@@ -67,7 +69,8 @@ def sft(
         if json_out:
             print_json({"train_yaml": str(path), "run_dir": str(sd.path)})
         return
-    sd.begin(force=force and not resume)
+    sd.check_rerun(resume=resume, force=force)
+    sd.begin(force=force, resume=resume, config_hint=RERUN_CONFIG_HINT)
     try:
         summary = run_sft(recipe, sd, model=model_path, dataset_dir=ds_dir, dataset=ds_name,
                           resume=resume)

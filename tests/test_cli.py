@@ -93,3 +93,69 @@ def test_doctor_json_through_root_app(tmp_path):
 def test_unknown_command_is_usage_error():
     result = runner.invoke(app, ["nope"])
     assert result.exit_code == 2
+
+
+def _all_commands():
+    """(path, command, context) for every command and group of the real CLI."""
+    from typer._click.core import Context
+    from typer.core import TyperGroup
+
+    root = typer.main.get_command(app)
+    out = []
+
+    def walk(cmd, ctx, path):
+        out.append((path, cmd, ctx))
+        if isinstance(cmd, TyperGroup):
+            for name in cmd.list_commands(ctx):
+                sub = cmd.get_command(ctx, name)
+                walk(sub, Context(sub, parent=ctx, info_name=name), f"{path} {name}")
+
+    walk(root, Context(root, info_name="pyvision"), "pyvision")
+    return out
+
+
+def test_help_shows_defaults_and_choices_not_types():
+    import re
+
+    checked = 0
+    for path, cmd, ctx in _all_commands():
+        text = cmd.get_help(ctx)
+        assert "<bool>" not in text and "<str>" not in text, f"{path}:\n{text}"
+        assert not re.search(r"\S \.(\s|$)", text), f"stray ' .' in {path}:\n{text}"
+        for param in cmd.params:
+            if getattr(param, "is_flag", False) or param.name == "help":
+                continue
+            line = " ".join(text.split())
+            choices = getattr(getattr(param, "type_descriptor", None), "choices", None)
+            if choices:
+                assert "<" + "|".join(str(c) for c in choices) + ">" in line, (path, param.name)
+            if param.default is not None and param.show_default is not False \
+                    and param.param_type_name == "option":
+                default = param.default if not isinstance(param.default, list) else ""
+                assert f"[default: {default}" in line or "[default:" in line, (path, param.name)
+            checked += 1
+    assert checked > 60
+
+
+def test_argument_errors_come_before_heavy_imports():
+    code = ("import sys, time\nfrom pyvision_cli.main import main\nstart = time.monotonic()\n"
+            "for argv in (['model', 'tiny', 'x', '--size', 'huge'], ['eval', '--benchmarks', 'v'],"
+            " ['rl', '--engine', 'ray'], ['run', 'r.yaml', '--from', 'nope'],"
+            " ['eval', '--model', 'm', '--run-id', '../x']):\n"
+            "    try:\n        main(argv)\n    except SystemExit as e:\n"
+            "        assert e.code == 2, (argv, e.code)\n"
+            "print(round(time.monotonic() - start, 2),"
+            f" sorted(m for m in {HEAVY!r} if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    seconds, heavy = out.stdout.strip().split(" ", 1)
+    assert heavy == "[]", out.stderr
+    assert out.stderr.count("error: ") == 5, out.stderr
+    assert float(seconds) < 5  # five commands; about 0.1 s on an idle machine
+
+
+def test_usage_errors_are_one_line():
+    result = runner.invoke(app, ["model", "tiny", "x", "--size", "huge"], prog_name="pyvision")
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == [
+        ("error: Invalid value for '--size': 'huge' is not one of 'nano', 'small'. "
+         "Fix: see `pyvision model tiny --help`.")]

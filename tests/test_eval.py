@@ -342,12 +342,12 @@ def test_unreachable_model_url_is_exit_2_and_writes_nothing(data_root: Path) -> 
 def test_missing_local_model_is_exit_2_and_writes_nothing(data_root: Path, tmp_path) -> None:
     result = runner.invoke(app, ["--model", str(tmp_path / "no-model"), "--benchmarks", "vstar",
                                  "--data-dir", str(data_root), "--limit", "1"])
-    _assert_clean_failure(result, "cannot load model")
+    _assert_clean_failure(result, "model not found", "no-model")
 
 
 def test_unknown_engine_benchmark_or_option_mix_is_exit_2(data_root: Path) -> None:
     result = runner.invoke(app, ["--model", "m", "--engine", "tgi", "--data-dir", str(data_root)])
-    _assert_clean_failure(result, "unknown --engine 'tgi'")
+    _assert_clean_failure(result, "'--engine'", "'tgi' is not one of 'hf', 'openai', 'vllm'")
     result = runner.invoke(app, ["--model", "m", "--benchmarks", "vstr", "--data-dir",
                                  str(data_root)])
     _assert_clean_failure(result, "did you mean 'vstar'")

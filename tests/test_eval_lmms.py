@@ -198,7 +198,8 @@ def test_cli_harness_lmms_eval_stores_its_results(tiny_model_dir: Path, task_dir
     assert [s["doc_id"] for s in samples] == [0, 1]
 
 
-def test_cli_harness_failure_is_exit_2_and_writes_nothing(monkeypatch, tmp_path: Path) -> None:
+def test_cli_harness_failure_is_exit_2_and_writes_nothing(monkeypatch, tmp_path: Path,
+                                                          tiny_model_dir) -> None:
     """lmms-eval logs an unknown task and still exits 0: no fresh results JSON is a failure."""
     import subprocess
 
@@ -212,8 +213,9 @@ def test_cli_harness_failure_is_exit_2_and_writes_nothing(monkeypatch, tmp_path:
         return subprocess.CompletedProcess(argv, 0)
 
     monkeypatch.setattr(subprocess, "run", fake_lmms_eval)
-    result = CliRunner().invoke(app, ["--harness", "lmms-eval", "--model", "m", "--benchmarks",
-                                      "no_such_task", "--set", f"runs_dir={tmp_path / 'runs'}"])
+    result = CliRunner().invoke(app, ["--harness", "lmms-eval", "--model", str(tiny_model_dir),
+                                      "--benchmarks", "no_such_task",
+                                      "--set", f"runs_dir={tmp_path / 'runs'}"])
     assert result.exit_code == 2, result.output
     (line,) = [x for x in result.output.splitlines() if x.startswith("error:")]
     assert "lmms-eval wrote no results (ValueError: Tasks not found: no_such_task." in line

@@ -173,8 +173,15 @@ def test_resume_continues_exactly(straight_run, tiny_model_dir, rl_tasks, tmp_pa
 def test_resume_without_checkpoint_starts_over(tiny_model_dir, rl_tasks, tmp_path, monkeypatch):
     monkeypatch.setattr(LocalEngine, "rewards", token_reward)
     recipe = load_recipe(None, ENGINE + ["rl.local.steps=1"])
+    # An attempt killed before its first checkpoint logged steps 0-3: starting from step 0
+    # replaces them instead of adding a second set of rows.
+    stale = Store(tmp_path / "store.duckdb")
+    for step in range(4):
+        stale.log_metrics("fresh", "rl", step, {"reward/mean": -1.0, "accuracy": -1.0})
     _, store, summary = run_rl(recipe, tmp_path, "fresh", tiny_model_dir, rl_tasks, resume=True)
     assert summary["resumed_from"] == 0 and sorted(per_step(store, "fresh")) == [0]
+    rows = store.metrics("fresh", "rl")
+    assert len(rows) == len({r["name"] for r in rows}) and -1.0 not in {r["value"] for r in rows}
 
 
 # -- the judge inside a step ------------------------------------------------------------------

@@ -27,12 +27,12 @@ def test_fresh_store_is_migrated(tmp_path):
 
 def test_store_from_newer_pyvision_is_refused(tmp_path):
     path = tmp_path / "s.duckdb"
-    Store(path)
+    Store(path).migrate()
     con = duckdb.connect(str(path))
     con.execute("INSERT INTO schema_version (version, name) VALUES (?, 'future')", [SCHEMA_VERSION + 1])
     con.close()
     with pytest.raises(UserError, match="newer than this pyvision"):
-        Store(path)
+        Store(path).migrate()
     with pytest.raises(UserError, match="newer than this pyvision"):
         Store(path, read_only=True)
 
@@ -202,7 +202,7 @@ def _writer(path: str, batches: int) -> None:
 
 def test_concurrent_reader_never_sees_half_a_write(tmp_path):
     path = tmp_path / "s.duckdb"
-    Store(path)
+    Store(path).migrate()
     ctx = mp.get_context("spawn")
     proc = ctx.Process(target=_writer, args=(str(path), 40))
     proc.start()
@@ -239,3 +239,114 @@ def test_weights_fingerprint_follows_the_weights_only(tmp_path):
         fh.seek(40 << 20)
         fh.write(b"\1")
     assert weights_fingerprint(model) != first
+
+
+# -- a store that does not exist yet, bad store paths, a lock held by someone else ---------------
+
+
+def test_a_new_store_is_created_by_its_first_write_not_before(tmp_path):
+    path = tmp_path / "runs" / "s.duckdb"
+    store = Store(path)
+    assert not path.exists() and not path.parent.exists()
+    assert store.runs() == [] and store.last_step("r", "rl") is None  # reads create nothing
+    assert store.eval_sample_count("r") == 0 and not path.exists()
+    store.upsert_run("r", "r")
+    assert path.is_file() and Store(path, read_only=True).runs()[0]["run_id"] == "r"
+
+
+@pytest.mark.parametrize("make, needle", [
+    (lambda p: p.mkdir(), "is a folder, not a DuckDB file"),
+    (lambda p: p.write_text("x" * 64), "is not a DuckDB database"),
+    (lambda p: p.write_bytes(b""), "is not a DuckDB database"),
+])
+def test_bad_store_paths_are_one_line_errors(tmp_path, make, needle):
+    path = tmp_path / "s.duckdb"
+    make(path)
+    for read_only in (False, True):
+        with pytest.raises(UserError, match=needle):
+            Store(path, read_only=read_only)
+
+
+def test_a_store_under_a_file_is_refused_before_anything_is_made(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(UserError, match="is a file"):
+        Store(tmp_path / "f" / "s.duckdb")
+
+
+def test_a_held_lock_names_its_holder(tmp_path, monkeypatch, capsys):
+    import subprocess
+    import sys
+
+    import pipelines.store as store_module
+
+    path = tmp_path / "s.duckdb"
+    Store(path).upsert_run("a", "a")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", ("import duckdb, sys, time\n"
+                                "con = duckdb.connect(sys.argv[1], read_only=True)\n"
+                                "print('ready', flush=True)\ntime.sleep(120)"), str(path)],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        monkeypatch.setattr(store_module, "_LOCK_WAIT_S", 1.5)
+        monkeypatch.setattr(store_module, "_LOCK_NOTICE_S", 0.3)
+        start = time.monotonic()
+        with pytest.raises(UserError) as refused:
+            Store(path).upsert_run("b", "b")
+        assert time.monotonic() - start < 10
+        message = refused.value.message
+        assert f"is held by process {holder.pid} (" in message
+        assert "duckdb.connect(sys.argv[1], read_only=True)" in message  # its command line
+        assert "for over 2 s" in message
+        notice = capsys.readouterr().err
+        assert f"waiting for the store {path}: held by process {holder.pid}" in notice
+    finally:
+        holder.kill()
+        holder.wait()
+    Store(path).upsert_run("b", "b")  # once it is gone, the write goes through
+
+
+def test_report_reads_through_one_connection(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from pyvision_cli.report import app
+    from tests.test_report import fill_store
+
+    store = Store()
+    fill_store(store, "a")
+    fill_store(store, "b", shift=0.05)
+    opened = []
+    real_open = Store._open
+    monkeypatch.setattr(Store, "_open", lambda self: opened.append(1) or real_open(self))
+    import contextlib
+
+    reading, rendered = [], []
+    real_session = Store.session
+
+    @contextlib.contextmanager
+    def session(self):
+        with real_session(self):
+            reading.append(1)
+            try:
+                yield self
+            finally:
+                reading.pop()
+
+    monkeypatch.setattr(Store, "session", session)
+
+    def plots_with_the_lock_let_go(data, out):  # matplotlib is slow and beside the point here
+        rendered.append(not reading)
+        return {}
+
+    import pipelines.report
+
+    monkeypatch.setattr(pipelines.report, "make_plots", plots_with_the_lock_let_go)
+    for fmt in ("json", "table", "html"):
+        opened.clear()
+        result = CliRunner().invoke(app, ["--format", fmt, "--out", str(tmp_path / "rep")])
+        assert result.exit_code == 0, result.output
+        # One to check the schema version, one for every read of the report (html: and one to
+        # see whether there is anything to write): the lock is taken briefly, a few times, and
+        # let go before any rendering. It used to be taken once per query.
+        assert len(opened) == (3 if fmt == "html" else 2), (fmt, len(opened))
+    assert rendered == [True]  # html rendered after the reads let the store go

@@ -90,7 +90,8 @@ def evaluated(tmp_path_factory) -> dict:
                  benchmarks=["synth-image", "synth-video"], run_id=RUN, store=store,
                  data_dirs={"synth-image": images, "synth-video": root / "videos"},
                  policy=_policy(model), show_progress=False,
-                 register_run={"name": "tiny-cpu", "recipe_path": None, "config": {}})
+                 register_run={"name": "tiny-cpu", "recipe_path": None,
+                               "config": recipe.model_dump(mode="json")})
     return {"root": root, "store": store, "recipe": recipe}
 
 

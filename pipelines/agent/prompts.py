@@ -65,6 +65,9 @@ def resize_for_context(image: Any, min_pixels: int, max_pixels: int) -> Any:
 def video_info(path: Path) -> dict[str, Any]:
     try:
         import decord
+        import decord.logging
+
+        decord.logging.set_level(decord.logging.QUIET)  # its errors come back as one line
 
         reader = decord.VideoReader(str(path))
         height, width = reader[0].shape[:2]
@@ -91,7 +94,7 @@ def build_initial_messages(task: Task, media_root: Path, variant: str, agent_cfg
                 with Image.open(path) as img:
                     img.load()
                     full = img.convert("RGB")
-            except (FileNotFoundError, UnidentifiedImageError, OSError) as exc:
+            except (Image.DecompressionBombError, UnidentifiedImageError, OSError) as exc:
                 raise DataError(f"task {task.id}: image {path} cannot be read ({exc})",
                                 hint="fix the media path or drop the task") from None
             runtime["images"][f"image_clue_{i}"] = path

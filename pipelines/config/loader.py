@@ -105,12 +105,16 @@ def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str,
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
+    from pipelines.inputs import read_text
+
     p = Path(path)
-    if not p.is_file():
+    if not p.exists():
         raise ConfigError(f"config file not found: {p}",
                           hint="pass an existing recipe, e.g. -c pipelines/recipes/tiny-cpu.yaml")
+    text = read_text(p, "config file", hint="pass a recipe YAML file, e.g. -c "
+                     "pipelines/recipes/tiny-cpu.yaml")
     try:
-        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+        data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{p}:{mark.line + 1}" if mark is not None else str(p)
@@ -134,7 +138,7 @@ def validate(model: type[M], data: dict[str, Any], source: str) -> M:
         loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
         more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
         raise ConfigError(f"invalid value for '{loc}' in {source}: {err['msg']}{more}",
-                          hint=f"set a valid '{loc}' in the file or with --set {loc}=...") from None
+                          hint=f"set a valid '{loc}' in the file or with --set {loc}=VALUE") from None
 
 
 def load_config(model: type[M], path: str | Path | None, overrides: Iterable[str] = (),

@@ -113,10 +113,27 @@ class ReadReport:
                 "skipped": dict(self.skipped), "problems": list(self.problems)}
 
 
-def iter_jsonl(path: str | Path) -> Iterator[tuple[int, Any | Exception]]:
-    """Yield ``(line_number, parsed object or the JSON error)`` for each non-blank line."""
-    with open(path, encoding="utf-8") as fh:
-        for number, line in enumerate(fh, start=1):
+def iter_jsonl(path: str | Path) -> Iterator[tuple[int, Any | json.JSONDecodeError]]:
+    """Yield ``(line_number, parsed object or the JSON error)`` for each non-blank line.
+
+    A UTF-8 byte-order mark at the start of the file is accepted; a line that is not UTF-8 is
+    reported like malformed JSON (a ``JSONDecodeError`` whose ``msg`` says which byte).
+    """
+    try:
+        fh = open(path, "rb")  # noqa: SIM115 - closed below; decoded line by line
+    except OSError as exc:
+        raise DataError(f"cannot read {path} ({exc.strerror})", hint="check its permissions") from None
+    with fh:
+        for number, raw in enumerate(fh, start=1):
+            if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
+                raw = raw[3:]
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                yield number, json.JSONDecodeError(
+                    f"not UTF-8 text: byte 0x{raw[exc.start]:02x}", raw.decode("latin-1"),
+                    exc.start)
+                continue
             if not line.strip():
                 continue
             try:
@@ -146,8 +163,8 @@ def read_tasks(path: str | Path, *, strict: bool = False,
 
     def bad(reason: str, where: str, detail: str) -> None:
         if strict:
-            raise DataError(f"{where}: {detail}",
-                            hint="fix or remove the row, or run without --strict to skip it")
+            raise DataError(f"{where}: {detail}", hint=f"fix or remove the row (`pyvision data "
+                            f"validate {p}` lists every bad row)")
         report.skip(reason, where, detail)
 
     for number, obj in iter_jsonl(p):
@@ -259,7 +276,8 @@ def read_conversations(path: str | Path, *, strict: bool = False,
         def bad(reason: str, detail: str) -> None:
             if strict:  # `where` is this row's: bad() is called within the iteration
                 raise DataError(f"{where}: {detail}",  # noqa: B023
-                                hint="fix or remove the row, or run without --strict to skip it")
+                                hint=f"fix or remove the row (`pyvision data validate {p}` "
+                                     "lists every bad row)")
             report.skip(reason, where, detail)  # noqa: B023
 
         if isinstance(obj, Exception):

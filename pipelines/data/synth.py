@@ -48,6 +48,11 @@ DEFAULT_FAMILIES = {
     "video": ("count", "distance", "order"),
 }
 MC_INSTRUCTION = "Answer with the option's letter from the given choices directly."
+MAX_TASKS = 10_000_000
+"""The most tasks one set may hold (data.synth.image_search.n_train's bound)."""
+BYTES_PER_TASK = {"image-search": 1_000_000, "video": 8_000}
+"""Disk per task, rounded up from measured means (0.67 MB per canvas, 4.5 KB per clip), for the
+free-space check before a set is written."""
 
 
 def task_rng(kind: str, seed: int, split: str, index: int) -> random.Random:
@@ -76,12 +81,17 @@ def synthesize(kind: str, n: int, seed: int, out: str | Path, *, split: str = "t
     if unknown:
         raise UserError(f"unknown {kind} family '{unknown[0]}'",
                         hint=f"use some of {', '.join(FAMILIES[kind])}")
-    if n < 1:
-        raise UserError("--n must be at least 1", hint="e.g. --n 100")
+    if not 1 <= n <= MAX_TASKS:
+        raise UserError(f"--n {n} is out of range", hint=f"pass 1 to {MAX_TASKS:,} tasks")
     out = Path(out)
     if (out / "manifest.json").exists() and not force:
         raise UserError(f"{out} already holds a finished synthetic set",
                         hint="pass --force to regenerate it, or another --out")
+    from pipelines.inputs import check_free_space, check_writable_dir
+
+    check_writable_dir(out, "output folder")
+    check_free_space(out, n * BYTES_PER_TASK[kind], f"{n:,} {kind} tasks",
+                     hint="pass a smaller --n, or an --out on a disk with more room")
     if kind == "image-search":
         from pipelines.data.synth_image import make_image_task as make
     else:

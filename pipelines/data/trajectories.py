@@ -94,7 +94,9 @@ def make_trajectories(tasks_dir: str | Path, out: str | Path, *, seed: int = 0,
     from pipelines.errors import UserError
 
     agent = (agent_cfg or AgentConfig()).model_copy(update={"max_turns_train": 8, "max_turns_eval": 8})
-    tasks, _ = read_tasks(tasks_dir)
+    # Strict: a malformed or invalid line is an error naming the file and line, not a task
+    # silently missing from the cold-start data.
+    tasks, _ = read_tasks(tasks_dir, strict=True)
     tasks = tasks[:limit] if limit else tasks
     root = Path(tasks_dir) if Path(tasks_dir).is_dir() else Path(tasks_dir).parent
     out = Path(out)

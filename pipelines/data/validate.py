@@ -22,6 +22,9 @@ def media_problem(path: Path) -> str | None:
     if path.suffix.lower() in (".mp4", ".webm", ".mkv", ".avi", ".mov"):
         try:
             import decord
+            import decord.logging
+
+            decord.logging.set_level(decord.logging.QUIET)  # its errors come back as one line
 
             if len(decord.VideoReader(str(path))) == 0:
                 return f"video without frames {path}"

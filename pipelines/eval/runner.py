@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from pipelines.config.recipe import Recipe
 from pipelines.console import StatusProgress, err
 from pipelines.data.records import Task
-from pipelines.errors import DataError, EndpointError
+from pipelines.errors import DataError, EndpointError, UserError
 from pipelines.eval.judging import Scoring, fallback_warning, scoring_for, store_aggregate
 from pipelines.fsutil import weights_fingerprint
 from pipelines.report.media import trajectory_media
@@ -86,7 +86,7 @@ def check_media(name: str, tasks: list[Task]) -> None:
             try:
                 with Image.open(path) as img:
                     img.verify()
-            except (OSError, SyntaxError, ValueError) as exc:
+            except (Image.DecompressionBombError, OSError, SyntaxError, ValueError) as exc:
                 raise DataError(f"{name} sample {task.id}: image {path} cannot be read "
                                 f"({type(exc).__name__}: {exc})",
                                 hint="download the benchmark again or fix that file") from None
@@ -122,21 +122,70 @@ def check_endpoint(url: str, timeout_s: float = 10.0, *, what: str = "model serv
                             f"{str(exc)[:160]})", hint=hint) from None
 
 
+# Recipe keys that decide what an evaluated sample is (and so its score), by section. Samples made
+# with other values must not be mixed with these under one run id.
+_ROLLOUT_ONLY = {"agent.max_turns_train", "agent.temperature", "agent.top_p",
+                 "sandbox.isolation"}
+
+
+def eval_settings(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The evaluation-deciding keys of a resolved recipe (``agent.*`` and ``sandbox.*`` but for
+    the rollout-only ones), flattened."""
+    out: dict[str, Any] = {}
+    for section in ("agent", "sandbox"):
+        for key, value in (config.get(section) or {}).items():
+            if f"{section}.{key}" not in _ROLLOUT_ONLY:
+                out[f"{section}.{key}"] = value
+    return out
+
+
+def check_same_eval_settings(store: Store, run_id: str, recipe: Recipe) -> None:
+    """Refuse to add samples to a run whose stored samples were made with other agent or
+    sandbox settings (turn limit, temperature, image sizes ...): the run's results would mix
+    two evaluations, and its stored config would describe only the last one."""
+    if not store.eval_sample_count(run_id):
+        return
+    stored = store.run_config(run_id)
+    if stored is None:
+        return
+    old = eval_settings(stored)
+    new = eval_settings(recipe.model_dump(mode="json"))
+    # A key added by a newer pyvision is absent from older configs; at its default it is the same.
+    defaults = eval_settings(Recipe().model_dump(mode="json"))
+    changed = [k for k in sorted(new) if old.get(k, defaults.get(k)) != new[k]]
+    if changed:
+        shown = ", ".join(f"{k} {old.get(k, defaults.get(k))!r} -> {new[k]!r}"
+                          for k in changed[:3]) + (" ..." if len(changed) > 3 else "")
+        raise UserError(f"run '{run_id}' holds samples evaluated with other settings ({shown})",
+                        hint="pass --run-id NEW for a separate evaluation, or --force to drop "
+                             "the run's stored samples and evaluate again")
+
+
 def run_eval(recipe: Recipe, *, model: str, model_tag: str, benchmarks: list[str], run_id: str,
              store: Store, data_dirs: Mapping[str, str | Path] | None = None,
              limit: int | None = None, engine: str | None = None, base_url: str | None = None,
              served_model: str | None = None, policy: Any = None,
              show_progress: bool = True,
              on_sample: Callable[[str, EvalRecord], None] | None = None,
-             register_run: Mapping[str, Any] | None = None) -> dict[str, dict[str, float]]:
+             register_run: Mapping[str, Any] | None = None, force: bool = False,
+             on_checked: Callable[[], None] | None = None) -> dict[str, dict[str, float]]:
     """Evaluate ``model`` (tagged ``model_tag`` in the store) on ``benchmarks``; return aggregates.
 
     ``register_run`` (``name``, ``recipe_path``, ``config``) upserts the run in the store once
-    every input has been checked, so a run that fails its checks writes nothing.
+    every input has been checked, so a run that fails its checks writes nothing; it also
+    refuses a run whose stored samples were made with other settings
+    (:func:`check_same_eval_settings`), unless ``force``, which first forgets every evaluated
+    sample of the run. ``on_checked`` is called once every input has been checked.
     """
     from pipelines.agent.loop import run_episodes
     from pipelines.agent.policies import make_policy
+    from pipelines.inputs import check_model
 
+    if not benchmarks:
+        raise UserError("no benchmark to evaluate",
+                        hint="pass --benchmarks NAME[,NAME...] or set eval.benchmarks")
+    if register_run is not None and not force:
+        check_same_eval_settings(store, run_id, recipe)
     cfg = recipe.eval
     engine = engine or cfg.engine
     limit = limit if limit is not None else cfg.limit
@@ -151,8 +200,10 @@ def run_eval(recipe: Recipe, *, model: str, model_tag: str, benchmarks: list[str
         bench = scoring.bench
         data_dir = (data_dirs or {}).get(name) or cfg.data_dir
         tasks = bench.load(data_dir=data_dir, limit=limit)
-        done = store.eval_sample_ids(run_id, model_tag, name, fingerprint=fingerprint)
-        any_weights = store.eval_sample_ids(run_id, model_tag, name) & {t.id for t in tasks}
+        done = (set() if force else
+                store.eval_sample_ids(run_id, model_tag, name, fingerprint=fingerprint))
+        any_weights = (set() if force else
+                       store.eval_sample_ids(run_id, model_tag, name) & {t.id for t in tasks})
         plan = _Plan(name, bench, tasks, done, scoring, stale=len(any_weights - done))
         check_media(name, plan.pending)
         plans.append(plan)
@@ -160,6 +211,8 @@ def run_eval(recipe: Recipe, *, model: str, model_tag: str, benchmarks: list[str
         target = base_url if engine == "openai" and base_url else model
         if engine == "openai":
             check_endpoint(target)
+        else:
+            check_model(target)  # one line for a folder that cannot load, before loading it
         policy = make_policy(target, engine=engine, served_model=served_model,
                              agent_cfg=recipe.agent, device=recipe.model.device,
                              dtype=recipe.model.dtype, concurrency=cfg.concurrency,
@@ -167,6 +220,10 @@ def run_eval(recipe: Recipe, *, model: str, model_tag: str, benchmarks: list[str
                              model_hint="pass --served-model NAME")
         if engine == "openai":
             _ = policy.model  # a server listing several models needs a name: say so before writing
+    if on_checked is not None:
+        on_checked()
+    if force:
+        store.forget_stage(run_id, "eval")
     if register_run is not None:
         store.upsert_run(run_id, **register_run)
 

@@ -648,21 +648,26 @@ def to_html(data: ReportData, images: dict[str, Path] | None = None) -> str:
 def write_report(store: Any, run_ids: list[str] | None, formats: Iterable[str],
                  out_dir: str | Path) -> dict[str, str]:
     """Collect once, render each format into ``out_dir``; returns format -> file path."""
-    data = collect(store, run_ids)
+    formats = list(formats)
+    ts = None
+    with store.session():  # every read on one connection; the lock is let go before rendering
+        data = collect(store, run_ids)
+        if "html" in formats and data.runs:
+            from pipelines.report.trajectories import collect_trajectories
+
+            ts = collect_trajectories(store, [r["run_id"] for r in data.runs])
     if not data.runs:
         raise UserError(f"the store {store.path} has no runs yet",
                         hint="run a stage first, e.g. `make demo`, or pass --store")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    formats = list(formats)
     images = make_plots(data, out) if {"markdown", "html"} & set(formats) else {}
     written: dict[str, str] = {}
     for name, path in images.items():
         written[f"png:{name}"] = str(path)
-    if "html" in formats:
-        from pipelines.report.trajectories import collect_trajectories, verdict_counts, write_page
+    if ts is not None:
+        from pipelines.report.trajectories import verdict_counts, write_page
 
-        ts = collect_trajectories(store, [r["run_id"] for r in data.runs])
         written["trajectories"] = str(write_page(store, ts, out))
         data.trajectories = {"page": Path(written["trajectories"]).name,
                              "counts": verdict_counts(ts), "rollout_steps": len(ts.steps)}

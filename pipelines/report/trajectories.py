@@ -153,7 +153,8 @@ class TrajectorySet:
     media: set[str] = field(default_factory=set)
     """Thumbnail names the page refers to."""
     extra_media: dict[str, Any] = field(default_factory=dict)
-    """Thumbnails made now (inputs of samples stored before thumbnails were), by name."""
+    """Thumbnails by name: those read from the store with the samples, and those made now
+    (inputs of samples stored before thumbnails were)."""
 
     def model_index(self, key: str) -> int | None:
         return next((i for i, m in enumerate(self.models) if m["key"] == key), None)
@@ -247,6 +248,10 @@ def collect_trajectories(store: Any, run_ids: list[str], *, with_rollouts: bool 
             ts.media.update(x for x in g["inputs"] if x)
             ts.media.update(x for ro in g["rollouts"] for st in ro.get("steps") or []
                             for x in st.get("imgs") or [] if x)
+    # The stored thumbnails too, so that writing the page reads nothing more from the store.
+    missing = sorted(ts.media - set(ts.extra_media))
+    if missing:
+        ts.extra_media.update(store.media(missing))
     return ts
 
 
@@ -358,7 +363,9 @@ def write_media(store: Any, ts: TrajectorySet, out_dir: Path) -> int:
     folder = out_dir / MEDIA_DIR
     folder.mkdir(parents=True, exist_ok=True)
     blobs = dict(ts.extra_media)
-    blobs.update(store.media(sorted(ts.media - set(blobs))))
+    missing = sorted(ts.media - set(blobs))
+    if missing:  # not fetched with the samples (collect_trajectories fetches them)
+        blobs.update(store.media(missing))
     written = 0
     for sha in sorted(ts.media):
         blob = blobs.get(sha)

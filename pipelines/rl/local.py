@@ -360,9 +360,10 @@ def train_local(recipe: Recipe, sd: StageDir, *, model_path: str, task_dirs: lis
         state = load_checkpoint(latest, engine.optimizer, engine.sampler)
         start_step = int(state["step"])
         history = list(state.get("extra", {}).get("history", []))
-        if sd.store is not None:
-            sd.store.delete_metrics_after(sd.run_id, "rl", start_step - 1)
         err.print(f"resuming RL from {latest} (step {start_step})")
+    if sd.store is not None:
+        # Steps from start_step on are logged again (all of them when starting from step 0).
+        sd.store.delete_metrics_after(sd.run_id, "rl", start_step - 1)
     # Rollouts for the report and metrics for trackers (pipelines/report/rollouts.py).
     observer = RLObserver(recipe, sd, items)
     table = LiveTable(show_progress, local.steps)

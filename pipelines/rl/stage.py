@@ -36,6 +36,15 @@ def resolve_rl_inputs(recipe: Recipe, sd: StageDir, *, model: str | None = None,
     if not task_dirs:
         raise UserError(f"no RL prompts for run '{sd.run_id}'",
                         hint="run the data stage first, or pass --tasks DIR (a tasks.jsonl folder)")
+    # Checked here, before the stage writes anything: a model folder that cannot load and a
+    # prompt folder without usable rows end in one line, not in a failed stage left behind.
+    from pipelines.data.records import read_tasks
+    from pipelines.inputs import check_model
+
+    check_model(model, "the model to start RL from")
+    if not any(read_tasks(t, strict=True)[0] for t in task_dirs):
+        raise UserError(f"no usable RL prompts in {', '.join(str(t) for t in task_dirs)}",
+                        hint="check them with `pyvision data validate DIR`, or pass --tasks DIR")
     return model, [str(t) for t in task_dirs]
 
 

@@ -46,11 +46,23 @@ def resolve_sft_inputs(recipe: Recipe, sd: StageDir, *, model: str | None = None
         raise UserError(f"no SFT dataset for run '{sd.run_id}' (the data stage has not finished)",
                         hint="run the data stage first, or pass --dataset-dir DIR --dataset NAME "
                              "(a LLaMA-Factory folder with dataset_info.json)")
+    from pipelines.inputs import check_model, read_text
+
+    check_model(model, "the base model")
     info = Path(dataset_dir) / "dataset_info.json"
     if not info.is_file():
         raise UserError(f"{info} not found", hint="export the data with `pyvision data export "
                         "--format llamafactory` or pass the folder that holds dataset_info.json")
-    names = json.loads(info.read_text(encoding="utf-8"))
+    try:
+        names = json.loads(read_text(info, "dataset index"))
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{info}:{exc.lineno}: malformed JSON ({exc.msg})",
+                        hint="export the data again with `pyvision data export --format "
+                             "llamafactory`") from None
+    if not isinstance(names, dict):
+        raise UserError(f"{info} is not a JSON object of datasets",
+                        hint="export the data again with `pyvision data export --format "
+                             "llamafactory`")
     if dataset not in names:
         raise UserError(f"dataset '{dataset}' is not in {info} (it has: {', '.join(names)})",
                         hint="pass --dataset with one of those names")
@@ -63,13 +75,15 @@ def run_sft(recipe: Recipe, sd: StageDir, *, model: str, dataset_dir: str, datas
     output_dir = sd.path / "output"
     if not resume and output_dir.exists():
         shutil.rmtree(output_dir)  # a fresh run starts clean; --resume keeps checkpoints
-    if resume:
-        ckpt = lf.last_checkpoint(output_dir) if output_dir.exists() else None
-        if ckpt is not None and sd.store is not None:
-            sd.store.delete_metrics_after(sd.run_id, "sft", int(ckpt.name.split("-")[-1]))
-            err.print(f"resuming SFT from {ckpt}")
-        elif ckpt is None:
-            err.print("[yellow]--resume: no checkpoint found; starting from the beginning[/]")
+    ckpt = lf.last_checkpoint(output_dir) if resume and output_dir.exists() else None
+    if resume and ckpt is None:
+        err.print("[yellow]--resume: no checkpoint found; starting from the beginning[/]")
+    elif ckpt is not None:
+        err.print(f"resuming SFT from {ckpt}")
+    if sd.store is not None:
+        # The steps after the checkpoint are logged again (every step when starting afresh).
+        sd.store.delete_metrics_after(sd.run_id, "sft",
+                                      int(ckpt.name.split("-")[-1]) if ckpt is not None else -1)
     yaml_path = lf.write_train_files(recipe.sft, sd.path, model_path=model,
                                      dataset_dir=dataset_dir, dataset=dataset, resume=resume)
     trainer_log = output_dir / lf.TRAINER_LOG

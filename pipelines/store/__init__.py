@@ -36,6 +36,8 @@ from pipelines.errors import UserError
 DEFAULT_STORE = Path("runs") / "pyvision.duckdb"
 MIGRATIONS_DIR = Path(__file__).with_name("migrations")
 _LOCK_WAIT_S = 60.0
+_LOCK_NOTICE_S = 2.0
+"""After this long waiting for another process's lock, say whose it is."""
 _WRITE_LOCK = threading.RLock()
 
 
@@ -73,6 +75,23 @@ def _in_runs(run_ids: Sequence[str] | None) -> tuple[str, list[Any]]:
 def _is_lock_error(exc: Exception) -> bool:
     text = str(exc).lower()
     return "lock" in text or "conflicting" in text or "being used" in text
+
+
+def lock_holder(message: str) -> str:
+    """Who holds the store's lock, from DuckDB's lock error: ``process 123 (its command line)``
+    (``another process`` when the message does not say)."""
+    import re
+
+    found = re.search(r"\(PID (\d+)\)", message)
+    if not found:
+        return "another process"
+    pid = int(found.group(1))
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return f"process {pid}"
+    command = " ".join(" ".join(part.decode(errors="replace") for part in raw.split(b"\0")).split())
+    return f"process {pid} ({command[:120]})" if command else f"process {pid}"
 
 
 @dataclass(frozen=True)
@@ -122,41 +141,93 @@ class EvalRecord:
 
 
 class Store:
-    """A DuckDB experiment store at ``path`` (created and migrated on first use)."""
+    """A DuckDB experiment store at ``path``.
+
+    The path is checked at once (a folder, a file that is not DuckDB, a read-only file or folder
+    is a one-line UserError). A store that does not exist yet is created and migrated by the
+    first write, not before: a command that fails its input checks leaves no store behind, and
+    reads of a store not yet created find nothing.
+    """
 
     def __init__(self, path: str | Path | None = None, *, read_only: bool = False) -> None:
+        from pipelines.inputs import check_store_path
+
         self.path = resolve_store_path(path)
         self.read_only = read_only
+        self._ready = False
+        self._session: duckdb.DuckDBPyConnection | None = None
         self._read_version = SCHEMA_VERSION
+        check_store_path(self.path, write=not read_only)
         if read_only:
-            if not self.path.exists():
-                raise UserError(f"store not found: {self.path}",
-                                hint="run a stage first, or pass --store / set PYVISION_STORE")
+            # Not migrated: a store written by an older pyvision reads as it is (_at_least).
             self._read_version = self._check_version()
-        else:
+            self._ready = True
+        elif self.path.exists():
+            self._prepare()
+
+    def _prepare(self) -> None:
+        """Create (when missing) and migrate the store; once per Store object."""
+        if not self._ready:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.migrate()
+            self._ready = True
 
     # -- connections -------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def _connect(self) -> Iterator[duckdb.DuckDBPyConnection]:
-        deadline = time.monotonic() + _LOCK_WAIT_S
+    def session(self) -> Iterator[Store]:
+        """Hold one connection for every read inside the block, then let go: a reader that
+        makes many queries (``pyvision report``) takes the file's lock once, briefly, instead
+        of once per query, so a writer waiting for it gets in between two reports."""
+        if self._session is not None:
+            yield self
+            return
+        with self._connect() as con:
+            self._session = con
+            try:
+                yield self
+            finally:
+                self._session = None
+
+    def _open(self) -> duckdb.DuckDBPyConnection:
+        """A new connection, retrying while another process holds the file's lock."""
+        start = time.monotonic()
+        deadline = start + _LOCK_WAIT_S
         delay = 0.01
+        told = False
         while True:
             try:
-                con = duckdb.connect(str(self.path), read_only=self.read_only)
-                break
+                return duckdb.connect(str(self.path), read_only=self.read_only)
             except duckdb.Error as exc:
-                if not _is_lock_error(exc) or time.monotonic() > deadline:
-                    if _is_lock_error(exc):
-                        raise UserError(
-                            f"store {self.path} is held by another process for over "
-                            f"{_LOCK_WAIT_S:.0f} s", hint="wait for it to finish or use --store "
-                            "to write elsewhere") from None
-                    raise
+                if not _is_lock_error(exc):
+                    raise UserError(f"cannot open the store {self.path} "
+                                    f"({str(exc).splitlines()[0][:200]})",
+                                    hint="pass --store FILE (or set PYVISION_STORE) to another "
+                                         "DuckDB file") from None
+                holder = lock_holder(str(exc))
+                if time.monotonic() > deadline:
+                    raise UserError(
+                        f"store {self.path} is held by {holder} for over {_LOCK_WAIT_S:.0f} s",
+                        hint="wait for it to finish, close it, or use --store to write "
+                             "elsewhere") from None
+                if not told and time.monotonic() > start + _LOCK_NOTICE_S:
+                    told = True
+                    from pipelines.console import err
+
+                    err.print(f"waiting for the store {self.path}: held by {holder} (giving up "
+                              f"after {_LOCK_WAIT_S:.0f} s)", soft_wrap=True, highlight=False,
+                              markup=False)
                 time.sleep(delay * (1 + random.random()))
                 delay = min(delay * 2, 0.5)
+
+    @contextlib.contextmanager
+    def _connect(self) -> Iterator[duckdb.DuckDBPyConnection]:
+        if self._session is not None:
+            yield self._session
+            return
+        if not self.read_only:
+            self._prepare()
+        con = self._open()
         try:
             yield con
         finally:
@@ -176,6 +247,8 @@ class Store:
             con.execute("COMMIT")
 
     def _query(self, sql: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
+        if not self._ready and not self.path.exists():
+            return []  # a store not created yet holds nothing; a read does not create it
         with self._connect() as con:
             cur = con.execute(sql, list(params))
             cols = [d[0] for d in cur.description]
@@ -203,7 +276,7 @@ class Store:
 
     def migrate(self) -> int:
         """Apply pending migrations; return the schema version."""
-        with _WRITE_LOCK, self._connect() as con:
+        with _WRITE_LOCK, contextlib.closing(self._open()) as con:
             con.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER PRIMARY KEY, "
                         "name VARCHAR, applied_at TIMESTAMP DEFAULT current_timestamp)")
             current = int(con.execute("SELECT coalesce(max(version), 0) FROM schema_version")
@@ -305,7 +378,7 @@ class Store:
     def last_step(self, run_id: str, stage: str) -> int | None:
         rows = self._query("SELECT max(step) AS s FROM metrics WHERE run_id = ? AND stage = ?",
                            [run_id, stage])
-        return None if rows[0]["s"] is None else int(rows[0]["s"])
+        return None if not rows or rows[0]["s"] is None else int(rows[0]["s"])
 
     def delete_metrics_after(self, run_id: str, stage: str, step: int) -> None:
         """Forget metrics logged after ``step`` (a resumed run re-logs them)."""
@@ -449,6 +522,12 @@ class Store:
             sql += " AND model_fingerprint IS NOT DISTINCT FROM ?"
             params.append(fingerprint)
         return {r["sample_id"] for r in self._query(sql, params)}
+
+    def eval_sample_count(self, run_id: str) -> int:
+        """How many evaluated samples the run holds (every model tag and benchmark)."""
+        rows = self._query("SELECT count(*) AS n FROM eval_trajectories WHERE run_id = ?",
+                           [run_id])
+        return int(rows[0]["n"]) if rows else 0
 
     def forget_eval_aggregate(self, run_id: str, model: str, benchmark: str) -> None:
         """Drop an aggregate whose samples are being evaluated again."""

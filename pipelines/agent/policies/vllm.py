@@ -26,7 +26,7 @@ from pipelines.config.agent import AgentConfig
 from pipelines.errors import UserError
 
 VLLM_VERSION = "0.33.0"
-"""The vLLM release the install hint names (see ../shared/reference/libraries.md)."""
+"""The vLLM release the install hint names (its torch and transformers pins are in INSTALL_HINT)."""
 
 INSTALL_HINT = (
     f"vLLM {VLLM_VERSION} pins torch 2.14.0 and transformers>=5.16.1, which conflict with verl "

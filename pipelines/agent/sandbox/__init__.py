@@ -481,7 +481,8 @@ def _image_bytes(name: str, value: Any) -> bytes:
     try:
         with Image.open(io.BytesIO(data)) as img:
             img.verify()
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
+    except (UnidentifiedImageError, Image.DecompressionBombError, OSError, SyntaxError,
+            ValueError) as exc:
         raise DataError(f"image for {name} is corrupt or not an image: {path} ({exc})",
                         hint="replace the file or drop the task") from None
     return data
@@ -493,6 +494,9 @@ def _video_bytes(name: str, value: Any) -> tuple[bytes, str]:
         raise DataError(f"video for {name} not found: {path}", hint="check the task's media paths")
     try:
         import decord
+        import decord.logging
+
+        decord.logging.set_level(decord.logging.QUIET)  # its errors come back as one line
 
         reader = decord.VideoReader(str(path))
         if len(reader) == 0:
