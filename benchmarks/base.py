@@ -2,7 +2,7 @@
 
 A benchmark is one class. :class:`Benchmark` holds the parts all of them share (loading rows
 from the hub or a local copy, caching media, checking columns, ``validate``); a concrete class
-says how a raw row becomes a :class:`~pipelines.data.records.Task` (``task_from_row``), how the
+says how a raw row becomes a :class:`~pipelines.core.records.Task` (``task_from_row``), how the
 agent is asked (``prompt``), and how its reference scorer scores and aggregates.
 
 Every task keeps its raw row (all columns but the media) in ``metadata["row"]``, so the
@@ -27,7 +27,7 @@ from benchmarks.sources import (
     hub_rows,
     local_rows,
 )
-from pipelines.data.records import Task
+from pipelines.core.records import Task
 from pipelines.errors import DataError, UserError
 
 Judge = Callable[[str, str, str], "float | None"]

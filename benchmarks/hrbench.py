@@ -27,7 +27,7 @@ from typing import Any
 
 from benchmarks.base import Benchmark, Judge, Sample, mean, require_text
 from benchmarks.scoring import extract_final_answer
-from pipelines.data.records import Task
+from pipelines.core.records import Task
 
 POST_PROMPT = "Answer the option letter directly."
 _REJECTIONS = ("Sorry, I can't help with images of people yet.", "I can't process this file.",

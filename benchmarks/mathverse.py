@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 from benchmarks.base import Benchmark, Judge, Sample, mean, require_text
 from benchmarks.scoring import extract_final_answer, score_choice, score_math
-from pipelines.data.records import Task
+from pipelines.core.records import Task
 from pipelines.errors import UserError
 
 VERSIONS = ("Text Dominant", "Text Lite", "Text Only", "Vision Intensive", "Vision Dominant",

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from pipelines.data.records import Task
+    from pipelines.core.records import Task
 
 CHOICE_SCORER = "choice@1"
 NUMBER_SCORER = "number@1"

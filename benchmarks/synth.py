@@ -1,6 +1,6 @@
 """Held-out synthetic sets: the data stage's own tasks, scored by the RL verifiers.
 
-A data-stage folder holds ``tasks.jsonl`` and its media (see :mod:`pipelines.data.records`).
+A data-stage folder holds ``tasks.jsonl`` and its media (see :mod:`pipelines.core.records`).
 ``SynthImage`` keeps the tasks whose ``data_source`` starts with ``synth/image`` and
 ``SynthVideo`` those starting with ``synth/video``, in the ``heldout`` (or ``test``) split.
 Scores come from :func:`benchmarks.scoring.verify`, the function the RL reward calls, so a
@@ -19,7 +19,7 @@ from typing import Any
 
 from benchmarks.base import Benchmark, Sample, mean
 from benchmarks.scoring import verify
-from pipelines.data.records import Task, read_tasks
+from pipelines.core.records import Task, read_tasks
 from pipelines.errors import DataError, UserError
 
 HELDOUT_SPLITS = ("heldout", "test")

@@ -33,7 +33,7 @@ from typing import Any
 from benchmarks.base import Benchmark, LoadContext, Sample, mean, require_text
 from benchmarks.scoring import extract_final_answer, extract_number, mean_relative_accuracy
 from benchmarks.sources import HUB_TIMEOUT_S, Row, hub_unreachable_reason, no_hub_error
-from pipelines.data.records import Task
+from pipelines.core.records import Task
 from pipelines.errors import DataError, UserError
 
 PRE_PROMPT = "These are frames of a video."

@@ -20,7 +20,7 @@ from typing import Any
 
 from benchmarks.base import Benchmark, Sample, mean, require_text
 from benchmarks.scoring import extract_final_answer
-from pipelines.data.records import Task
+from pipelines.core.records import Task
 
 POST_PROMPT = "\nAnswer with the option's letter from the given choices directly."
 CATEGORIES = ("direct_attributes", "relative_position")

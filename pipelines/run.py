@@ -29,7 +29,7 @@ def _outputs(sd: StageDir, stage: str) -> dict[str, Any]:
 
 
 def _stage_data(recipe: Recipe, sd: StageDir, show: bool) -> dict[str, Any]:
-    from pipelines.data.stage import run_data_stage
+    from pipelines.data_stage import run_data_stage
 
     return run_data_stage(recipe, sd, show_progress=show)["summary"]
 
@@ -44,7 +44,7 @@ def _stage_sft(recipe: Recipe, sd: StageDir, show: bool) -> dict[str, Any]:
 
 
 def _stage_rl(recipe: Recipe, sd: StageDir, show: bool) -> dict[str, Any]:
-    from pipelines.rl.local_utils import list_checkpoints
+    from pipelines.core.checkpoints import list_checkpoints
     from pipelines.rl.stage import resolve_rl_inputs, run_rl
 
     model, tasks = resolve_rl_inputs(recipe, sd)

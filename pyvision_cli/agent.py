@@ -43,7 +43,7 @@ def run(
 
     from pipelines.agent.loop import run_episodes
     from pipelines.agent.policies import make_policy
-    from pipelines.data.records import Task
+    from pipelines.core.records import Task
     from pipelines.errors import UserError
 
     if bool(image) == bool(video):

@@ -170,8 +170,8 @@ def export(
     check_writable_dir(out, "output folder")
 
     if fmt == "llamafactory":
+        from pipelines.core.records import read_conversations
         from pipelines.data.export_llamafactory import export_llamafactory
-        from pipelines.data.records import read_conversations
 
         sources = []
         for s in source:
@@ -243,7 +243,7 @@ def prepare(
     json_out: JsonOpt = False,
 ) -> None:
     """The recipe's data stage: synthetic sets, trajectories, base model, LLaMA-Factory export."""
-    from pipelines.data.stage import run_data_stage
+    from pipelines.data_stage import run_data_stage
     from pipelines.rundir import stage_dir
     from pipelines.store import Store
 

@@ -29,7 +29,8 @@ def merge(
     """Merge, then check the result loads (config, processor, weight names and shapes)."""
     from pipelines.errors import UserError
     from pipelines.inputs import check_writable_dir
-    from pipelines.merge import merge_lora, merge_verl
+    from pipelines.merge import merge_verl
+    from pipelines.sft.lora import merge_lora
 
     check_writable_dir(out, "--out")
 

@@ -16,7 +16,7 @@ from pipelines.agent.policies.scripted import ScriptedPolicy
 from pipelines.agent.prompts import build_initial_messages, load_template
 from pipelines.config.agent import AgentConfig
 from pipelines.config.sandbox import SandboxConfig
-from pipelines.data.records import Task
+from pipelines.core.records import Task
 from pipelines.errors import DataError, EndpointError
 from tests.helpers import chat_completion, scripted_openai
 

@@ -393,7 +393,7 @@ def test_a_utf8_bom_is_accepted_in_recipes_tasks_and_predictions(tmp_path: Path)
     assert load_recipe(recipe).name == "with-bom"
     tasks = inp / "tasks" / "tasks.jsonl"
     tasks.write_bytes(bom + tasks.read_bytes())
-    from pipelines.data.records import read_tasks
+    from pipelines.core.records import read_tasks
 
     assert [t.id for t in read_tasks(tasks, strict=True)[0]] == ["t0", "t1"]
     rows = "".join(json.dumps({**r, "prediction": r["ground_truth"]}) + "\n"

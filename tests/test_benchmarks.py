@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from benchmarks import BENCHMARKS, get_benchmark, score_predictions
-from pipelines.data.records import Task
+from pipelines.core.records import Task
 from pipelines.errors import DataError, UserError
 
 # -- fixture rows in each benchmark's schema ------------------------------------------------------

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from pipelines.core.records import Conversation, Message, read_conversations, read_tasks
 from pipelines.data import hub
 from pipelines.data.export_llamafactory import export_llamafactory
-from pipelines.data.records import Conversation, Message, read_conversations, read_tasks
 from pipelines.errors import DataError, UserError
 
 

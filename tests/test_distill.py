@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from pipelines.core.records import Task, read_conversations, write_tasks
 from pipelines.data.distill import Candidate, select
-from pipelines.data.records import Task, read_conversations, write_tasks
 from pipelines.store import Store
 from pyvision_cli.data import app
 from tests.helpers import FakeOpenAI, chat_completion
@@ -286,7 +286,7 @@ def test_the_data_stage_mixes_distilled_and_scripted_data(tasks_dir: Path, tmp_p
     """`pyvision run`'s data stage with a teacher: scripted trajectories of the synthetic SFT
     tasks and the teacher's verified ones of data.distill.tasks, in one LLaMA-Factory export."""
     from pipelines.config.recipe import load_recipe
-    from pipelines.data.stage import run_data_stage
+    from pipelines.data_stage import run_data_stage
     from pipelines.rundir import stage_dir
 
     teacher = Teacher()

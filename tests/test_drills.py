@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import re
 
+from pipelines.core.records import Conversation, Message
 from pipelines.data.drills import copy_drills
 from pipelines.data.export_llamafactory import export_llamafactory
-from pipelines.data.records import Conversation, Message
 
 PROMPT = "<image>\nQuestion: How many red objects are in the image?"
 
@@ -93,7 +93,7 @@ def test_drills_export_to_llamafactory_as_media_free_rows(tmp_path):
 def test_export_cli_adds_drills(tmp_path):
     from typer.testing import CliRunner
 
-    from pipelines.data.records import write_conversations
+    from pipelines.core.records import write_conversations
     from pyvision_cli.data import app
 
     (tmp_path / "src").mkdir()

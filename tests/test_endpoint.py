@@ -181,7 +181,7 @@ def test_usage_and_cost_are_added_up_per_episode() -> None:
 def test_the_judge_says_what_its_server_rejected_once_and_falls_back(
         capsys: pytest.CaptureFixture) -> None:
     from pipelines.config.reward import JudgeConfig
-    from pipelines.rl.judge import Judge
+    from pipelines.scoring.judge import Judge
 
     with FakeOpenAI(lambda body: (400, {"error": {"message": "Unsupported parameter: "
                                                              "'max_tokens'"}})) as server:

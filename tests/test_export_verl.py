@@ -10,8 +10,8 @@ from typer.testing import CliRunner
 
 from pipelines.agent.prompts import build_initial_messages, variant_for
 from pipelines.config.agent import AgentConfig
+from pipelines.core.records import Task
 from pipelines.data.export_verl import AGENT_NAME, export_verl
-from pipelines.data.records import Task
 from pipelines.data.synth import synthesize
 from pipelines.errors import DataError
 

@@ -44,7 +44,7 @@ def _kill_when(proc: subprocess.Popen, ready, timeout_s: float = 240.0) -> None:
     while not ready():
         assert proc.poll() is None, f"finished before it could be killed:\n{proc.stdout.read()}"
         assert time.monotonic() < deadline, "never got far enough to be killed"
-        time.sleep(0.2)
+        time.sleep(0.05)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
     assert proc.returncode == -signal.SIGKILL
@@ -67,14 +67,17 @@ def _rows(store: Path, sql: str) -> list[tuple]:
 
 
 def test_eval_killed_then_rerun_keeps_every_sample_once(tiny_model_dir: Path, tmp_path: Path):
-    n = 16
+    # Enough samples, each committed as it finishes, that a fast machine is still mid-run when
+    # the third lands.
+    n = 64
     data = write_tasks(tmp_path / "tasks", [task_row(i, image=f"media/{i}.png") for i in range(n)],
                        media={f"{i}.png": png_bytes(16 + i, 12) for i in range(n)})
     store = tmp_path / "store.duckdb"
     args = ["eval", "--model", str(tiny_model_dir), "--benchmarks", "synth-image", "--data-dir",
             str(data), "--run-id", "k9", "--set", "agent.max_new_tokens_per_turn=16",
             "--set", "agent.max_turns_eval=2", "--set", "eval.batch_size=1",
-            "--set", "agent.image_max_pixels=12544", "--set", "model.device=cpu"]
+            "--set", "agent.image_max_pixels=12544", "--set", "model.device=cpu",
+            "--set", "eval.commit_interval_s=0"]
     first = _pyvision(args, _env(store), tmp_path)
     try:
         _kill_when(first, lambda: store.exists() and

@@ -9,9 +9,11 @@ import pytest
 import torch
 
 from pipelines.config.recipe import load_recipe
+from pipelines.core.modeldir import verify_model_dir
 from pipelines.errors import SubprocessFailed, UserError
-from pipelines.merge import merge_lora, merge_verl, verify_model_dir
+from pipelines.merge import merge_verl
 from pipelines.rundir import stage_dir
+from pipelines.sft.lora import merge_lora
 from pipelines.sft.stage import run_sft
 from tests.helpers import make_sharegpt
 

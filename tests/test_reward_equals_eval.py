@@ -10,8 +10,8 @@ import pytest
 from benchmarks import BENCHMARKS, get_benchmark
 from pipelines.config.recipe import load_recipe
 from pipelines.eval.judging import scoring_for
-from pipelines.rl.rewards import compute_reward
 from pipelines.scoring import benchmark_for_task
+from pipelines.scoring.reward import compute_reward
 from tests.test_benchmarks import loaded, make_synth_dir  # noqa: F401 - the fixture is used
 
 WRONG = ["Z", "(B)", "0", "the answer is 7", "", None, "12.5", "five"]

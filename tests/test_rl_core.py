@@ -7,11 +7,11 @@ import torch
 
 from pipelines.config.reward import JudgeConfig, RewardConfig
 from pipelines.config.rl import AlgorithmConfig, StrategyConfig
-from pipelines.data.records import Task
+from pipelines.core.records import Task
 from pipelines.rl.algos import kl_loss, policy_loss
-from pipelines.rl.judge import Judge, family_of, judge_prompt
-from pipelines.rl.rewards import compute_reward
 from pipelines.rl.strategy import Group, Rollout, Selector, broken_reason, select_groups
+from pipelines.scoring.judge import Judge, family_of, judge_prompt
+from pipelines.scoring.reward import compute_reward
 from pipelines.store import Store
 from tests.helpers import FakeOpenAI, chat_completion, scripted_openai
 

@@ -18,11 +18,11 @@ import pytest
 import torch
 
 from pipelines.config.recipe import load_recipe
-from pipelines.data.records import Task
+from pipelines.core.checkpoints import STATE_FILE, list_checkpoints
+from pipelines.core.records import Task
 from pipelines.rl.local import LiveTable, LocalEngine, step_metrics, train_local
-from pipelines.rl.local_utils import STATE_FILE, list_checkpoints
-from pipelines.rl.rewards import RewardBreakdown
 from pipelines.rundir import stage_dir
+from pipelines.scoring.reward import RewardBreakdown
 from pipelines.store import Store
 from tests.helpers import FakeOpenAI, chat_completion
 
@@ -219,7 +219,7 @@ def fake_traj(answer: str) -> SimpleNamespace:
 
 
 def engine_with_judge(url: str, tmp_path: Path, concurrency: int = 8) -> LocalEngine:
-    from pipelines.rl.judge import Judge
+    from pipelines.scoring.judge import Judge
 
     recipe = load_recipe(None, [f"reward.judge.base_url={url}",
                                 f"reward.judge.concurrency={concurrency}",

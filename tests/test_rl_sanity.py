@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from pipelines.config.recipe import load_recipe
-from pipelines.data.records import read_tasks
+from pipelines.core.records import read_tasks
 from pipelines.rl.local import LocalEngine, load_policy_model
 from pipelines.rl.local_utils import TaskSampler
-from pipelines.rl.rewards import RewardBreakdown
 from pipelines.rl.sanity import fixed_batch_check, logprob_alignment
+from pipelines.scoring.reward import RewardBreakdown
 
 # The demo's RL settings (pipelines/recipes/tiny-cpu.yaml), shortened turns, one thread.
 DEMO = ["model.device=cpu", "model.dtype=float32", "agent.max_turns_train=2",

@@ -22,7 +22,7 @@ from benchmarks.scoring import (
     score_text,
     verify,
 )
-from pipelines.data.records import Task
+from pipelines.core.records import Task
 
 OPTIONS = ["green", "red", "blue", "dark red"]
 

@@ -15,7 +15,7 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from benchmarks.scoring import verify
-from pipelines.data.records import read_conversations, read_tasks
+from pipelines.core.records import read_conversations, read_tasks
 from pipelines.data.solvers import plan
 from pipelines.data.synth import FAMILIES, PALETTE, synthesize
 from pipelines.errors import UserError

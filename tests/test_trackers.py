@@ -12,12 +12,12 @@ import pytest
 from pipelines.agent.loop import run_episodes
 from pipelines.agent.policies.scripted import ScriptedPolicy
 from pipelines.config.recipe import load_recipe
-from pipelines.data.records import read_tasks
-from pipelines.report.rollouts import RLObserver
+from pipelines.core.records import read_tasks
 from pipelines.report.trajectories import collect_trajectories
 from pipelines.rl.local import RolloutBatch
-from pipelines.rl.rewards import RewardBreakdown
+from pipelines.rl.rollouts import RLObserver
 from pipelines.rl.strategy import Group, Rollout, broken_reason, select_groups
+from pipelines.scoring.reward import RewardBreakdown
 from pipelines.store import Store
 from pipelines.trackers import eval_metrics, open_trackers, sft_metrics
 from tests.test_trajectories import CROP, _answer, _image_tasks

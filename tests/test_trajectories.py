@@ -22,10 +22,10 @@ from typer.testing import CliRunner
 
 from pipelines.agent.policies.scripted import ScriptedPolicy
 from pipelines.config.recipe import load_recipe
-from pipelines.data.records import Task, write_tasks
+from pipelines.core.media import thumbnail_file, trajectory_media
+from pipelines.core.records import Task, write_tasks
 from pipelines.eval.runner import run_eval
 from pipelines.report import collect, headline, write_report
-from pipelines.report.media import thumbnail_file, trajectory_media
 from pipelines.report.terminal import Images, print_table, render_sample, select
 from pipelines.report.trajectories import collect_trajectories, sample_verdict, verdict_changes
 from pipelines.store import Store

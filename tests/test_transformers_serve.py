@@ -24,7 +24,7 @@ from pipelines.agent.loop import run_episodes
 from pipelines.agent.policies.openai import OpenAIPolicy
 from pipelines.config.agent import AgentConfig
 from pipelines.config.sandbox import SandboxConfig
-from pipelines.data.records import Task, write_tasks
+from pipelines.core.records import Task, write_tasks
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
@@ -89,7 +89,7 @@ def image_tasks(tmp_path: Path) -> Path:
 
 def test_agent_loop_against_transformers_serve(served, image_tasks: Path) -> None:
     url, log = served
-    from pipelines.data.records import read_tasks
+    from pipelines.core.records import read_tasks
 
     (task,), _ = read_tasks(image_tasks)
     agent = AgentConfig(max_turns_eval=2, max_new_tokens_per_turn=24, image_max_pixels=12544,

@@ -26,7 +26,7 @@ from verl.workers.rollout.replica import TokenOutput
 
 from pipelines.agent.prompts import build_initial_messages
 from pipelines.config.recipe import load_recipe
-from pipelines.data.records import Task
+from pipelines.core.records import Task
 from pipelines.errors import DataError
 from pipelines.rl.verl.agent_loop import fit_response
 

@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 
 from pipelines.config.recipe import RECIPES_DIR, load_recipe
 from pipelines.config.rl import StrategyConfig
-from pipelines.data.records import Task
+from pipelines.core.records import Task
 from pipelines.rl.verl.overrides import VerlPaths, render, render_overrides
 from pipelines.rl.verl.reward import TERMS
 from tests.helpers import FakeOpenAI, chat_completion

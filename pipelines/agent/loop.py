@@ -36,7 +36,7 @@ from pipelines.agent.protocol import format_observation, parse_turn
 from pipelines.agent.trajectory import ToolResult, Trajectory, Turn
 from pipelines.config.agent import AgentConfig
 from pipelines.config.sandbox import SandboxConfig
-from pipelines.data.records import Task
+from pipelines.core.records import Task
 
 
 @dataclass

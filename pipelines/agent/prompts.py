@@ -25,7 +25,7 @@ from typing import Any
 from pipelines.agent.protocol import merge_text_parts
 from pipelines.agent.sandbox._zygote import smart_resize
 from pipelines.config.agent import AgentConfig
-from pipelines.data.records import Task
+from pipelines.core.records import Task
 from pipelines.errors import DataError
 
 PROMPTS_DIR = Path(__file__).with_name("prompts")

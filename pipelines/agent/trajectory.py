@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
-from pipelines.data.records import Conversation, Message
+from pipelines.core.records import Conversation, Message
 
 SCHEMA_VERSION = 1
 StopReason = Literal["answered", "max_turns", "context_overflow", "image_limit",

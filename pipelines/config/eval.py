@@ -36,5 +36,9 @@ class EvalConfig(Section):
     batch_size: int = Field(8, ge=1, le=4096)
     """Trajectories advanced together by the in-process engines."""
 
+    commit_interval_s: float = Field(1.0, ge=0.0, le=3600.0)
+    """Finished samples are committed to the store together, at most this many seconds after the
+    first of them finished: what an interrupted evaluation can lose (0: every sample at once)."""
+
     client: ClientConfig = ClientConfig()
     """How `engine: openai` talks to its server: server kind, per-request timeout, retries."""

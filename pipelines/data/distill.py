@@ -14,7 +14,7 @@ failed check is its rejection reason):
 ``code_error``      a code block failed (with ``allow_fixed_errors``: a failure not followed by a
                     block that ran);
 ``too_many_turns`` / ``too_long``  over the turn or token limit of the recipe;
-``answer_too_long`` / ``wrong_answer``  the reward's verdict: :func:`pipelines.rl.rewards.
+``answer_too_long`` / ``wrong_answer``  the reward's verdict: :func:`pipelines.scoring.reward.
                     compute_reward`, i.e. :func:`benchmarks.scoring.verify` (the synthetic
                     benchmarks' scorer too), and the judge where the recipe has one.
 
@@ -55,7 +55,7 @@ from typing import Any
 from pipelines.agent.trajectory import Trajectory
 from pipelines.config.recipe import Recipe
 from pipelines.console import StatusProgress, err
-from pipelines.data.records import Task, read_tasks, write_conversations
+from pipelines.core.records import Task, read_tasks, write_conversations
 from pipelines.errors import DataError, EndpointError, UserError
 from pipelines.fsutil import atomic_write_json, atomic_write_text
 
@@ -74,7 +74,7 @@ def needs_tools(task: Task, traj: Trajectory) -> bool:
     """Whether a good answer to ``task`` uses code: ``metadata["needs_tools"]`` when set; else
     prompts whose media is only in the sandbox (on-demand video, ``image_noinit``) and visual
     search (small targets on large images)."""
-    from pipelines.rl.judge import family_of
+    from pipelines.scoring.judge import family_of
 
     flag = task.metadata.get("needs_tools")
     if isinstance(flag, bool):
@@ -87,7 +87,7 @@ def check(traj: Trajectory, task: Task, recipe: Recipe, *, max_turns: int, max_t
           judge: Any = None) -> str:
     """``accepted``, or why ``traj`` is rejected (see the module docstring)."""
     from pipelines.agent.protocol import format_problems
-    from pipelines.rl.rewards import compute_reward
+    from pipelines.scoring.reward import compute_reward
 
     cfg = recipe.data.distill
     if traj.stop_reason != "answered":
@@ -326,7 +326,7 @@ def distill(recipe: Recipe, task_dirs: list[str | Path], out: str | Path, *,
         (out / "manifest.json").unlink(missing_ok=True)
     judge = None
     if recipe.reward.judge.base_url:
-        from pipelines.rl.judge import Judge
+        from pipelines.scoring.judge import Judge
 
         judge = Judge(recipe.reward.judge, store=store)
 
@@ -505,7 +505,7 @@ def _card(rows: list[dict[str, Any]], kept: list[Candidate],
                  "visual_tokens": sum(t.visual_tokens for t in kept_trajs),
                  "mean_visual_tokens": mean([t.visual_tokens for t in kept_trajs]),
                  "images": sum(len(t.images) for t in kept_trajs)},
-        "verification": {"answer": "pipelines.rl.rewards.compute_reward (benchmarks.scoring."
+        "verification": {"answer": "pipelines.scoring.reward.compute_reward (benchmarks.scoring."
                                    "verify" + ("; judge " + recipe.reward.judge.model
                                                if recipe.reward.judge.base_url else "") + ")",
                          "allow_fixed_errors": cfg.allow_fixed_errors, "max_turns": max_turns,

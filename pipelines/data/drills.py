@@ -29,7 +29,7 @@ import random
 import re
 from collections.abc import Iterable
 
-from pipelines.data.records import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, Conversation, Message
+from pipelines.core.records import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, Conversation, Message
 
 _BOXED = re.compile(r"\\boxed\{([^{}\n]*)\}")
 

@@ -22,7 +22,7 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from pipelines.data.records import Conversation
+from pipelines.core.records import Conversation
 from pipelines.errors import DataError
 from pipelines.fsutil import atomic_write_json, atomic_write_text
 

@@ -41,7 +41,7 @@ from typing import Any
 
 from pipelines.agent.prompts import build_initial_messages, variant_for
 from pipelines.config.agent import AgentConfig
-from pipelines.data.records import (
+from pipelines.core.records import (
     IMAGE_PLACEHOLDER,
     VIDEO_PLACEHOLDER,
     ReadReport,

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from pipelines.data.records import (
+from pipelines.core.records import (
     Conversation,
     Message,
     ReadReport,

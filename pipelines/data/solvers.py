@@ -17,7 +17,7 @@ import random
 import re
 from dataclasses import dataclass
 
-from pipelines.data.records import Task
+from pipelines.core.records import Task
 from pipelines.data.synth import PALETTE
 
 

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from pipelines.data.records import Task, write_tasks
+from pipelines.core.records import Task, write_tasks
 from pipelines.errors import UserError
 from pipelines.fsutil import atomic_dir, atomic_write_json
 

@@ -19,7 +19,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from pipelines.data.records import Task
+from pipelines.core.records import Task
 from pipelines.data.synth import PALETTE, letter_of, mc_question
 
 SHAPES = ("square", "circle", "triangle")

@@ -21,7 +21,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from pipelines.data.records import Task
+from pipelines.core.records import Task
 from pipelines.data.synth import PALETTE, letter_of, mc_question
 
 WIDTH, HEIGHT, FPS = 192, 144, 8

@@ -21,7 +21,7 @@ from pipelines.agent.policies.base import Generation, Sampling
 from pipelines.agent.protocol import CODE_STOP
 from pipelines.config.agent import AgentConfig
 from pipelines.config.sandbox import SandboxConfig
-from pipelines.data.records import Conversation, read_tasks, write_conversations
+from pipelines.core.records import Conversation, read_tasks, write_conversations
 from pipelines.data.solvers import SolverPlan, plan, render_turn
 from pipelines.fsutil import atomic_dir, atomic_write_json
 

@@ -11,7 +11,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from pipelines.data.records import CONVERSATIONS_FILE, TASKS_FILE, read_conversations, read_tasks
+from pipelines.core.records import CONVERSATIONS_FILE, TASKS_FILE, read_conversations, read_tasks
 from pipelines.errors import DataError
 
 

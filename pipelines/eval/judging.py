@@ -17,7 +17,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pipelines.data.records import Task
+from pipelines.core.records import Task
 from pipelines.errors import DataError, UserError
 from pipelines.scoring import FALLBACK, JUDGE, RULES, JudgeProbe, scoring_benchmark, takes_judge
 
@@ -67,7 +67,7 @@ class Scoring:
 
 def scoring_for(name: str, judge: Any, judge_model: str | None, reward: RewardConfig) -> Scoring:
     """Benchmark ``name`` built as the RL reward builds it (the reward's tolerances), given
-    ``judge`` (a :class:`pipelines.rl.judge.Judge`, or None) when its official scorer takes one."""
+    ``judge`` (a :class:`pipelines.scoring.judge.Judge`, or None) when its official scorer takes one."""
     if judge is None or not takes_judge(name):
         return Scoring(scoring_benchmark(name, reward))
     probe = JudgeProbe(judge, name)
@@ -112,7 +112,7 @@ def rescore(store: Store, recipe: Recipe, run_id: str, benchmark: str,
 
     Returns ``{model_tag: {"rescored", "judged", "still_fallback", "scored_by", "aggregate"}}``.
     """
-    from pipelines.rl.judge import Judge
+    from pipelines.scoring.judge import Judge
 
     records = store.eval_records(run_id, model_tag, benchmark, with_task=True)
     if not records:

@@ -18,7 +18,7 @@ from typing import Any
 
 from lmms_eval.api.model import lmms
 
-from pipelines.data.records import Task
+from pipelines.core.records import Task
 
 
 class PyVisionAgent(lmms):

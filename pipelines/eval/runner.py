@@ -28,11 +28,11 @@ from typing import TYPE_CHECKING, Any
 
 from pipelines.config.recipe import Recipe
 from pipelines.console import StatusProgress, err
-from pipelines.data.records import Task
+from pipelines.core.media import trajectory_media
+from pipelines.core.records import Task
 from pipelines.errors import DataError, EndpointError, UserError
 from pipelines.eval.judging import Scoring, fallback_warning, scoring_for, store_aggregate
 from pipelines.fsutil import weights_fingerprint
-from pipelines.report.media import trajectory_media
 from pipelines.store import EvalRecord, Store
 
 if TYPE_CHECKING:
@@ -240,7 +240,7 @@ def run_eval(recipe: Recipe, *, model: str, model_tag: str, benchmarks: list[str
         progress = StatusProgress(show_progress, f"eval {model_tag} on {name}", len(plan.tasks),
                                   len(plan.tasks) - len(pending),
                                   status=getattr(policy, "activity", None))
-        writer = store.eval_writer()
+        writer = store.eval_writer(cfg.commit_interval_s)
         stored = 0
         try:
             for traj in run_episodes([(t, Path("/")) for t in pending], policy, recipe.agent,
@@ -317,6 +317,6 @@ def _judge(recipe: Recipe, store: Store) -> Any:
     """The LLM judge of ``reward.judge`` (cached in the store), or None when none is configured."""
     if not recipe.reward.judge.base_url:
         return None
-    from pipelines.rl.judge import Judge
+    from pipelines.scoring.judge import Judge
 
     return Judge(recipe.reward.judge, store=store)

@@ -204,7 +204,7 @@ def pretrain(cfg: PretrainConfig, *, size: str, seed: int, out: Path, work: Path
     """Pretrain a tiny model from random weights into ``out``; checkpoints live in ``work``."""
     import torch
 
-    from pipelines.rl.local_utils import STATE_FILE, list_checkpoints, rng_state, set_rng_state
+    from pipelines.core.checkpoints import STATE_FILE, list_checkpoints, rng_state, set_rng_state
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -308,7 +308,7 @@ def _checkpoint(root: Path, step: int, model: Any, processor: Any, optimizer: An
 
     import torch
 
-    from pipelines.rl.local_utils import STATE_FILE, list_checkpoints
+    from pipelines.core.checkpoints import STATE_FILE, list_checkpoints
 
     with atomic_dir(root / f"step_{step}", overwrite=True) as tmp:
         _save(model, processor, tmp)

@@ -62,7 +62,7 @@ def fill_store(store: Any, samples: int, seed: int = 0) -> int:
 
     from PIL import Image, ImageDraw
 
-    from pipelines.report.media import thumbnail
+    from pipelines.core.media import thumbnail
     from pipelines.store import EvalRecord
 
     rng = random.Random(seed)

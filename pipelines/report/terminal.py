@@ -29,8 +29,8 @@ from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
+from pipelines.core.media import EXTENSION
 from pipelines.errors import UserError
-from pipelines.report.media import EXTENSION
 from pipelines.report.trajectories import (
     VERDICTS,
     TrajectorySet,

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipelines.core.media import EXTENSION, thumbnail_file
 from pipelines.fsutil import atomic_write_text
-from pipelines.report.media import EXTENSION, thumbnail_file
 
 TEXT_LIMIT = 4000
 """Characters of any one text (a turn's text, code, output) a page shows; the rest is cut with a

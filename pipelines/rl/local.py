@@ -43,20 +43,14 @@ from typing import Any
 
 from pipelines.config.recipe import Recipe
 from pipelines.console import err
-from pipelines.data.records import Task, read_tasks
+from pipelines.core.checkpoints import list_checkpoints, load_checkpoint, save_checkpoint
+from pipelines.core.records import Task, read_tasks
 from pipelines.errors import UserError
-from pipelines.report.rollouts import RLObserver
-from pipelines.rl.local_utils import (
-    TaskSampler,
-    TokenSequence,
-    list_checkpoints,
-    load_checkpoint,
-    save_checkpoint,
-    sequence_logprobs,
-)
-from pipelines.rl.rewards import RewardBreakdown, compute_reward
+from pipelines.rl.local_utils import TaskSampler, TokenSequence, sequence_logprobs
+from pipelines.rl.rollouts import RLObserver
 from pipelines.rl.strategy import Group, Rollout, Selection, Selector, broken_reason
 from pipelines.rundir import StageDir
+from pipelines.scoring.reward import RewardBreakdown, compute_reward
 
 # Sequences per forward/backward pass; gradients accumulate over a mini-batch, so this changes
 # memory, not the result.
@@ -348,7 +342,7 @@ def train_local(recipe: Recipe, sd: StageDir, *, model_path: str, task_dirs: lis
                      else copy.deepcopy(model)).eval().requires_grad_(False)
     judge = None
     if recipe.reward.judge.base_url:
-        from pipelines.rl.judge import Judge
+        from pipelines.scoring.judge import Judge
 
         judge = Judge(recipe.reward.judge, store=sd.store)
     items = load_rl_tasks(task_dirs)
@@ -364,7 +358,7 @@ def train_local(recipe: Recipe, sd: StageDir, *, model_path: str, task_dirs: lis
     if sd.store is not None:
         # Steps from start_step on are logged again (all of them when starting from step 0).
         sd.store.delete_metrics_after(sd.run_id, "rl", start_step - 1)
-    # Rollouts for the report and metrics for trackers (pipelines/report/rollouts.py).
+    # Rollouts for the report and metrics for trackers (pipelines/rl/rollouts.py).
     observer = RLObserver(recipe, sd, items)
     table = LiveTable(show_progress, local.steps)
     try:

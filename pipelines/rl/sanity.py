@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from pipelines.config.recipe import Recipe
-from pipelines.data.records import Task
+from pipelines.core.records import Task
 
 
 def expected_rewards(engine: Any, items: list[tuple[Task, Path]], samples: int) -> list[float]:

@@ -38,7 +38,7 @@ def resolve_rl_inputs(recipe: Recipe, sd: StageDir, *, model: str | None = None,
                         hint="run the data stage first, or pass --tasks DIR (a tasks.jsonl folder)")
     # Checked here, before the stage writes anything: a model folder that cannot load and a
     # prompt folder without usable rows end in one line, not in a failed stage left behind.
-    from pipelines.data.records import read_tasks
+    from pipelines.core.records import read_tasks
     from pipelines.inputs import check_model
 
     check_model(model, "the model to start RL from")

@@ -135,7 +135,7 @@ def run_sft(recipe: Recipe, sd: StageDir, *, model: str, dataset_dir: str, datas
                                "log": str(sd.path / lf.LOG_FILE)}
     if (output_dir / "adapter_config.json").is_file():
         # Later stages need a model, not an adapter: merge it here with LLaMA-Factory's export.
-        from pipelines.merge import merge_lora
+        from pipelines.sft.lora import merge_lora
 
         outputs["adapter"] = str(output_dir)
         outputs["model"] = merge_lora(output_dir, model, sd.path / "merged",

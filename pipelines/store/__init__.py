@@ -31,6 +31,7 @@ from typing import Any
 
 import duckdb
 
+from pipelines.core.media import MediaBlob
 from pipelines.errors import UserError
 
 DEFAULT_STORE = Path("runs") / "pyvision.duckdb"
@@ -92,17 +93,6 @@ def lock_holder(message: str) -> str:
         return f"process {pid}"
     command = " ".join(" ".join(part.decode(errors="replace") for part in raw.split(b"\0")).split())
     return f"process {pid} ({command[:120]})" if command else f"process {pid}"
-
-
-@dataclass(frozen=True)
-class MediaBlob:
-    """One stored thumbnail, named by the SHA-256 of its bytes."""
-
-    sha256: str
-    mime: str
-    width: int
-    height: int
-    data: bytes
 
 
 @dataclass(frozen=True)

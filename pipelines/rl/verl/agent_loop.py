@@ -9,7 +9,7 @@ verl instantiates :class:`PyVisionAgentLoop` once per trajectory from the agent-
 
 (``hydra.utils.instantiate`` passes ``name`` and ``recipe`` as keyword arguments next to verl's
 own: trainer config, ``server_manager``, tokenizer, processor, ...). ``run()`` rebuilds the
-:class:`~pipelines.data.records.Task` from the row's ``extra_info.task`` and resolves its media
+:class:`~pipelines.core.records.Task` from the row's ``extra_info.task`` and resolves its media
 against ``extra_info.media_root``; it never uses images verl may have loaded, so the prompt, the
 sandbox's runtime media and the limits are exactly those of the local engine and of evaluation.
 
@@ -72,7 +72,7 @@ from pipelines.agent.policies.tokens import ChatTokens, TokenContext
 from pipelines.agent.protocol import CODE_STOP
 from pipelines.agent.trajectory import Trajectory
 from pipelines.config.recipe import Recipe, load_recipe
-from pipelines.data.records import Task
+from pipelines.core.records import Task
 from pipelines.errors import DataError, UserError
 
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>",

@@ -13,7 +13,7 @@ and the judge endpoint are the run's own. ``extra_info`` is the parquet row's ``
 (``task``, ``media_root``, ...) into which the naive manager has merged the agent loop's
 ``extra_fields`` (``final_answer``, ``well_formed``, ``answer_chars``, ``successful_calls``, ...).
 
-The reward is :func:`pipelines.rl.rewards.compute_reward`, the local engine's: accuracy from the
+The reward is :func:`pipelines.scoring.reward.compute_reward`, the local engine's: accuracy from the
 shared verifiers (the benchmarks' scorers), the judge first for the answer types in
 ``reward.judge.use_for`` when ``reward.judge.base_url`` is set (an unreachable judge falls back to
 the rule verifier and is counted), the accumulative tool reward only when correct, and the
@@ -41,9 +41,9 @@ from typing import Any
 
 from pipelines.agent.protocol import extract_answer
 from pipelines.config.reward import RewardConfig
-from pipelines.data.records import Task
+from pipelines.core.records import Task
 from pipelines.errors import DataError, UserError
-from pipelines.rl.rewards import compute_reward
+from pipelines.scoring.reward import compute_reward
 
 RECIPE_ENV = "PYVISION_VERL_RECIPE"
 TERMS = ("score", "accuracy", "tool", "format", "correct", "judged", "judge_fallback",
@@ -59,7 +59,7 @@ def _settings(recipe_path: str) -> tuple[RewardConfig, Any]:
     reward = load_recipe(recipe_path).reward
     judge = None
     if reward.judge.base_url:
-        from pipelines.rl.judge import Judge
+        from pipelines.scoring.judge import Judge
 
         judge = Judge(reward.judge)
     return reward, judge

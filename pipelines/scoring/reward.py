@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from pipelines.config.reward import RewardConfig
-from pipelines.data.records import Task
+from pipelines.core.records import Task
 from pipelines.scoring import (
     FALLBACK,
     JUDGE,
@@ -35,7 +35,7 @@ from pipelines.scoring import (
 )
 
 if TYPE_CHECKING:
-    from pipelines.rl.judge import Judge
+    from pipelines.scoring.judge import Judge
 
 
 @dataclass(frozen=True)

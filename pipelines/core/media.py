@@ -27,16 +27,26 @@ import hashlib
 import io
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-from pipelines.store import MediaBlob
 
 MIME = "image/webp"
 EXTENSION = ".webp"
 _QUALITY = 80
 _METHOD = 2  # libwebp effort: 2 is ~3x faster than the default 4 for ~5% larger files
 _CACHE_SIZE = 256
+@dataclass(frozen=True)
+class MediaBlob:
+    """One stored thumbnail, named by the SHA-256 of its bytes."""
+
+    sha256: str
+    mime: str
+    width: int
+    height: int
+    data: bytes
+
+
 _cache: OrderedDict[tuple[str, int, int, int], MediaBlob | None] = OrderedDict()
 _cache_lock = threading.Lock()
 

@@ -20,7 +20,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from pipelines.report.media import thumbnail_file, trajectory_media
+from pipelines.core.media import thumbnail_file, trajectory_media
 from pipelines.rl.strategy import Group, Rollout, broken_reason, select_groups
 from pipelines.trackers import Trackers, open_trackers, rl_metrics
 

@@ -26,7 +26,7 @@ from typing import Any
 
 from pipelines.config.recipe import Recipe
 from pipelines.console import err
-from pipelines.data.records import Task, read_conversations, read_tasks, write_tasks
+from pipelines.core.records import Task, read_conversations, read_tasks, write_tasks
 from pipelines.rundir import StageDir
 
 KIND_BENCHMARK = {"image-search": "synth-image", "video": "synth-video"}
