@@ -37,6 +37,7 @@ def rl(
     model: Annotated[str | None, typer.Option(metavar="PATH", help="Policy to start from [default: the SFT model].")] = None,
     tasks: Annotated[list[str] | None, typer.Option(metavar="DIR", help="RL prompt folder(s), repeatable [default: the data stage's].")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="verl: write the launch files and print the command, start nothing.")] = False,
+    sanity: Annotated[bool, typer.Option("--sanity", help="Check the update instead of training: log-probs line up, and 8 local-engine steps on 6 fixed prompts raise their expected reward (16 samples each, before and after). Prints JSON; exit 1 if it fails. Writes nothing.")] = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Oversample, filter zero-variance and broken groups, rank by reward std; GRPO without std
@@ -52,7 +53,7 @@ def rl(
     recipe = load_recipe(config, overrides)
     sd = stage_dir(recipe, "rl", run_id, runs_dir=None, store=Store(store),
                    recipe_path=str(config) if config else None)
-    if sd.is_complete() and not force and not dry_run:
+    if sd.is_complete() and not force and not dry_run and not sanity:
         err.print(f"rl of run '{sd.run_id}' already finished ({sd.manifest_path}); pass --force "
                   "to redo it (with --resume: continue it with a changed config)")
         if json_out:
@@ -60,6 +61,14 @@ def rl(
         return
     # Everything is checked before the first write: a bad input leaves no folder or store row.
     start_model, task_dirs = resolve_rl_inputs(recipe, sd, model=model, tasks=tasks)
+    if sanity:
+        from pipelines.rl.sanity import run_sanity
+
+        report = run_sanity(recipe, start_model, task_dirs, show_progress=not json_out)
+        print_json(report)
+        if not report["passed"]:
+            raise typer.Exit(1)
+        return
     if not dry_run:
         sd.check_rerun(resume=resume, force=force)
         sd.begin(force=force, resume=resume, config_hint=RERUN_CONFIG_HINT)

@@ -229,3 +229,29 @@ def test_demo_rl_settings_raise_the_reward_of_prompts_the_sft_model_half_solves(
     print(result)
     assert 0.1 < result["before"] < 0.9, result  # half-solved: room to rise, something to keep
     assert result["delta"] > 0 and result["delta_ci95"][0] > -0.05, result
+
+
+def test_cli_sanity_reports_a_model_that_cannot_learn_the_batch_and_writes_nothing(
+        tiny_model_dir, items, tmp_path, monkeypatch):
+    # The untrained nano model earns no reward on real tasks: every group has zero variance, no
+    # update moves the expected reward, so the check must say it failed (exit 1), with the
+    # numbers, and leave no run folder or store behind.
+    import json
+
+    from typer.testing import CliRunner
+
+    from pyvision_cli.main import app
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PYVISION_STORE", str(tmp_path / "store.duckdb"))
+    sets = [a for s in [*DEMO, "agent.max_new_tokens_per_turn=8", "agent.max_turns_train=1",
+                        f"runs_dir={tmp_path / 'runs'}"] for a in ("--set", s)]
+    result = CliRunner().invoke(app, ["rl", "--sanity", "--model", str(tiny_model_dir), "--tasks",
+                                      str(items[0][1]), "--json", *sets])
+    assert result.exit_code == 1, result.output
+    report = json.loads(result.stdout[result.stdout.index("{"):])
+    assert report["passed"] is False and report["fixed_batch"]["passed"] is False
+    assert report["fixed_batch"]["prompts"] == min(6, len(items))
+    assert report["logprob_alignment"]["passed"] is True  # the update is wired right; no signal
+    assert report["logprob_alignment"]["max_abs_diff"] < 1e-3
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "store.duckdb").exists()

@@ -8,7 +8,8 @@
   after from many fresh samples per prompt. If it does not rise, the advantage sign, the masks, the
   log-prob alignment, clipping or the learning rate is wrong for this model.
 
-``pyvision rl sanity`` runs both on a model and prints JSON.
+``pyvision rl --sanity`` runs both (:func:`run_sanity`) on a run's policy and prompts and prints
+JSON.
 """
 
 from __future__ import annotations
@@ -124,3 +125,35 @@ def fixed_batch_check(recipe: Recipe, model: Any, processor: Any,
             "per_prompt_before": [round(x, 3) for x in before],
             "per_prompt_after": [round(x, 3) for x in after],
             "curve": curve, "seconds": round(time.monotonic() - start, 1)}
+
+
+# A log-prob gap above this means the trainer scores other tokens, positions or images than the
+# sampler did (float32 on CPU stays near 1e-5; bf16 on a GPU is looser).
+ALIGNMENT_TOLERANCE = {"float32": 1e-3, "bfloat16": 5e-2, "float16": 5e-2}
+
+
+def run_sanity(recipe: Recipe, model_path: str, task_dirs: list[str], *, prompts: int = 6,
+               steps: int = 8, samples: int = 16, show_progress: bool = True) -> dict[str, Any]:
+    """Both checks on ``model_path`` and the first ``prompts`` tasks of ``task_dirs``, with
+    ``recipe``'s RL settings. ``passed``: the log-probs line up and the fixed batch's expected
+    reward rose (the lower end of its paired 95% interval above zero)."""
+    from pipelines.core.records import read_tasks
+    from pipelines.rl.local import LocalEngine, load_policy_model
+    from pipelines.rl.local_utils import TaskSampler
+
+    items: list[tuple[Task, Path]] = []
+    for d in task_dirs:
+        tasks, _ = read_tasks(d, strict=True)
+        items += [(t, Path(d)) for t in tasks]
+    items = items[:prompts]
+    model, processor = load_policy_model(recipe, model_path)
+    engine = LocalEngine(recipe, model, processor, items, TaskSampler(len(items), recipe.seed))
+    alignment = logprob_alignment(engine, items[:2])
+    batch = fixed_batch_check(recipe, model, processor, items, steps=steps, samples=samples,
+                              show_progress=show_progress)
+    tolerance = ALIGNMENT_TOLERANCE.get(recipe.model.dtype, 1e-3)
+    aligned = alignment["max_abs_diff"] <= tolerance
+    rose = batch["delta_ci95"][0] > 0
+    return {"model": model_path, "passed": aligned and rose,
+            "logprob_alignment": {**alignment, "tolerance": tolerance, "passed": aligned},
+            "fixed_batch": {**batch, "passed": rose}}
