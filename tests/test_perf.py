@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from pyvision_cli.perf import app
@@ -13,8 +14,11 @@ def test_perf_sandbox_json_shape():
     result = CliRunner().invoke(app, ["sandbox", "--json", "--repeats", "3", "--n-concurrent", "3"])
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
-    for key in ("start_ms", "call_overhead_ms", "crop_show_ms"):
+    for key in ("start_ms", "call_overhead_ms", "crop_show_ms", "crop_8k_ms",
+                "forked_worker_overhead_ms"):
         assert set(data[key]) >= {"median", "p95"} and data[key]["median"] > 0
         assert data[key]["p95"] >= data[key]["median"]
     assert data["concurrent"]["n"] == 3 and data["concurrent"]["alive"] == 3
     assert data["concurrent"]["peak_rss_mb"] > 0
+    assert data["overhead_ratio"] == pytest.approx(
+        data["call_overhead_ms"]["median"] / data["forked_worker_overhead_ms"]["median"], rel=0.05)

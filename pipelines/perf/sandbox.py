@@ -1,10 +1,24 @@
-"""`pyvision perf sandbox`: start time, call overhead, crop-and-show, many live sandboxes."""
+"""`pyvision perf sandbox`: start time, call overhead (against an unisolated forked worker measured
+in the same run), crop-and-show at the agent's context size, an 8K image's crop, and many live
+sandboxes.
+
+The image measurements run as the agent loop runs them: the sandbox knows the context pixel
+bounds (``agent.image_min_pixels`` / ``image_max_pixels`` of the default agent settings), so shown
+images come back at the size the model sees them.
+"""
 
 from __future__ import annotations
 
+import io
+import json
+import os
+import socket
+import struct
 import time
+from contextlib import redirect_stdout
 from typing import Any
 
+from pipelines.config.agent import AgentConfig
 from pipelines.config.sandbox import SandboxConfig
 from pipelines.perf import process_tree_memory_mb, summary_ms
 
@@ -15,6 +29,71 @@ plt.imshow(zoom)
 plt.axis("off")
 plt.show()
 """
+# HRBench-8K style: zoom into a 1024 x 1024 region of a 7680 x 4320 image and look at it.
+CROP_8K = """crop = image_clue_0.crop((3328, 1648, 4352, 2672))
+crop.show()
+"""
+SIZE_8K = (7680, 4320)
+
+
+def _serve_forked(sock: socket.socket) -> None:
+    """The unisolated baseline worker: length-prefixed JSON in, ``exec``, JSON out."""
+    scope: dict[str, Any] = {"__name__": "__main__"}
+    while True:
+        head = sock.recv(4, socket.MSG_WAITALL)
+        if len(head) < 4:
+            os._exit(0)
+        (n,) = struct.unpack(">I", head)
+        msg = json.loads(sock.recv(n, socket.MSG_WAITALL))
+        out = io.StringIO()
+        status = "ok"
+        start = time.monotonic()
+        try:
+            with redirect_stdout(out):
+                exec(compile(msg["code"], "<code>", "exec"), scope)  # noqa: S102 - perf baseline
+        except Exception:  # noqa: BLE001
+            status = "error"
+        reply = json.dumps({"status": status, "stdout": out.getvalue(), "stderr": "",
+                            "duration_s": time.monotonic() - start, "images": []}).encode()
+        sock.sendall(struct.pack(">I", len(reply)) + reply)
+
+
+class ForkedWorker:
+    """A plain ``fork()`` of this process that runs code: no namespaces, no rlimits, no output
+    capture beyond ``stdout``: the floor a sandbox call's overhead is compared with."""
+
+    def __init__(self) -> None:
+        host, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.pid = os.fork()
+        if self.pid == 0:  # pragma: no cover - the child
+            host.close()
+            try:
+                _serve_forked(child)
+            finally:
+                os._exit(0)
+        child.close()
+        self.sock = host
+
+    def run(self, code: str) -> dict[str, Any]:
+        payload = json.dumps({"type": "run", "code": code}).encode()
+        self.sock.sendall(struct.pack(">I", len(payload)) + payload)
+        (n,) = struct.unpack(">I", self.sock.recv(4, socket.MSG_WAITALL))
+        return json.loads(self.sock.recv(n, socket.MSG_WAITALL))
+
+    def close(self) -> None:
+        self.sock.close()
+        os.waitpid(self.pid, 0)
+
+
+def _interleaved(a: Any, b: Any, repeats: int) -> tuple[list[float], list[float]]:
+    """Time ``a()`` and ``b()`` alternately, so that load on the machine hits both alike."""
+    ta, tb = [], []
+    for _ in range(repeats):
+        for f, out in ((a, ta), (b, tb)):
+            t = time.perf_counter()
+            f()
+            out.append(time.perf_counter() - t)
+    return ta, tb
 
 
 def run_benchmark(repeats: int = 30, n_concurrent: int = 64,
@@ -26,8 +105,11 @@ def run_benchmark(repeats: int = 30, n_concurrent: int = 64,
     from pipelines.agent.sandbox import Sandbox, isolation_mode
 
     cfg = config or SandboxConfig()
+    agent = AgentConfig()
+    context = {"context_pixels": (agent.image_min_pixels, agent.image_max_pixels)}
     rng = np.random.default_rng(0)
     image = Image.fromarray(rng.integers(0, 255, (1024, 1024, 3), dtype=np.uint8))
+    big = Image.fromarray(rng.integers(0, 255, (SIZE_8K[1], SIZE_8K[0], 3), dtype=np.uint8))
     warm_start = time.monotonic()
     with Sandbox(cfg) as first:  # starts the zygote (once per process)
         first.run("x = 1")
@@ -36,32 +118,50 @@ def run_benchmark(repeats: int = 30, n_concurrent: int = 64,
     starts = []
     for _ in range(repeats):
         t = time.monotonic()
-        s = Sandbox(cfg, images={"image_clue_0": image})
+        s = Sandbox(cfg, images={"image_clue_0": image}, **context)
         starts.append(time.monotonic() - t)
         s.close()
 
-    overhead, crop = [], []
-    with Sandbox(cfg, images={"image_clue_0": image}) as s:
-        for _ in range(3):
-            s.run("x = 1")
-            s.run(CROP_SHOW)
-        for _ in range(repeats):
-            t = time.monotonic()
-            r = s.run("x = 1")
-            overhead.append(time.monotonic() - t)
-            assert r.status == "ok", r.stderr
+    forked = ForkedWorker()
+    try:
+        with Sandbox(cfg, images={"image_clue_0": image}, **context) as s:
+            for _ in range(3):
+                s.run("x = 1")
+                forked.run("x = 1")
+                s.run(CROP_SHOW)
+
+            def call() -> None:
+                r = s.run("x = 1")
+                assert r.status == "ok", r.stderr
+
+            overhead, baseline = _interleaved(call, lambda: forked.run("x = 1"), repeats)
+            crop = []
+            for _ in range(max(5, repeats // 3)):
+                t = time.perf_counter()
+                r = s.run(CROP_SHOW)
+                crop.append(time.perf_counter() - t)
+                assert r.status == "ok" and len(r.frames) == 1, r.stderr
+            crop_size = list(r.frames[0].size)
+    finally:
+        forked.close()
+
+    with Sandbox(cfg, images={"image_clue_0": big}, **context) as s:
+        for _ in range(2):
+            s.run(CROP_8K)
+        crop8k = []
         for _ in range(max(5, repeats // 3)):
-            t = time.monotonic()
-            r = s.run(CROP_SHOW)
-            crop.append(time.monotonic() - t)
-            assert r.status == "ok" and len(r.images) == 1, r.stderr
+            t = time.perf_counter()
+            r = s.run(CROP_8K)
+            crop8k.append(time.perf_counter() - t)
+            assert r.status == "ok" and len(r.frames) == 1, r.stderr
+        crop8k_size = list(r.frames[0].size)
 
     base = process_tree_memory_mb()
     live = []
     peak = dict(base)
     try:
         for _ in range(n_concurrent):
-            s = Sandbox(cfg, images={"image_clue_0": image})
+            s = Sandbox(cfg, images={"image_clue_0": image}, **context)
             s.run("crop = image_clue_0.crop((0, 0, 256, 256)); arr = np.asarray(crop)")
             live.append(s)
         peak = process_tree_memory_mb()
@@ -69,12 +169,19 @@ def run_benchmark(repeats: int = 30, n_concurrent: int = 64,
     finally:
         for s in live:
             s.close()
+    over, floor = summary_ms(overhead), summary_ms(baseline)
     return {
         "isolation": isolation_mode(cfg),
+        "context_pixels": list(context["context_pixels"]),
         "zygote_start_s": round(zygote_s, 3),
         "start_ms": summary_ms(starts),
-        "call_overhead_ms": summary_ms(overhead),
+        "call_overhead_ms": over,
+        "forked_worker_overhead_ms": floor,
+        "overhead_ratio": round(over["median"] / max(floor["median"], 1e-6), 2),
         "crop_show_ms": summary_ms(crop),
+        "crop_show_size": crop_size,
+        "crop_8k_ms": summary_ms(crop8k),
+        "crop_8k_size": crop8k_size,
         "concurrent": {"n": n_concurrent, "alive": alive, "peak_rss_mb": peak["rss_mb"],
                        "peak_pss_mb": peak["pss_mb"], "baseline_rss_mb": base["rss_mb"],
                        "processes": peak["processes"]},

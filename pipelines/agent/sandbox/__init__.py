@@ -3,7 +3,7 @@
 Model-written code is hostile input. Each trajectory gets a :class:`Sandbox`: a persistent Python
 runtime (numpy as ``np``, PIL's ``Image``, matplotlib's ``plt`` with the Agg backend, ``decord`` for
 video) holding the task's media as ``image_clue_0``, ``image_clue_1``, ... or ``video_clue_0``.
-``plt.show()``, ``img.show()`` and ``display(obj)`` return PNG images (at most
+``plt.show()``, ``img.show()`` and ``display(obj)`` return images (at most
 ``max_images_per_call``, larger than :data:`SHOWN_IMAGE_MAX_PIXELS` downscaled, each with one
 note in the output); printed output is kept up to ``max_output_chars`` (head and tail, with a
 marker); every call ends in an :class:`ExecResult` with status ``ok | error | timeout | oom |
@@ -35,8 +35,9 @@ What is not isolated
 - The kernel is shared (a kernel exploit escapes; there is no seccomp filter).
 - CPU time is limited per sandbox but not scheduled fairly between sandboxes; the host's memory is
   only protected by the per-sandbox address-space limit (no cgroup memory accounting).
-- Images returned by the code are checked (PNG, bounded size) but are the code's choice: it can
-  show the model anything it can draw.
+- Images returned by the code are checked (raw RGB pixels whose byte count matches their
+  bounded size; nothing is decoded on the host) but are the code's choice: it can show the model
+  anything it can draw.
 
 Without bubblewrap (``isolation: rlimit``, or ``auto`` when bwrap is missing or cannot create
 namespaces) only the rlimits, a process-group kill and a temporary working directory apply, and a
@@ -64,7 +65,7 @@ import uuid
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any, Literal, Self
 
@@ -91,20 +92,34 @@ SIGNAL_NAMES = {4: "SIGILL", 6: "SIGABRT", 7: "SIGBUS", 8: "SIGFPE", 9: "SIGKILL
 
 @dataclass(frozen=True)
 class ExecResult:
-    """The outcome of one code call."""
+    """The outcome of one code call.
+
+    ``frames`` are the shown images as RGB PIL images, already at the size the model sees them
+    when the sandbox was given ``context_pixels``; they crossed from the sandbox as raw pixels.
+    ``images`` are the same as PNG bytes, encoded on first use (files, JSON, thumbnails): the
+    agent loop never pays for it."""
 
     status: Status
     stdout: str
     stderr: str
-    images: list[bytes] = field(default_factory=list)
+    frames: list[Any] = field(default_factory=list)
     duration_s: float = 0.0
     truncated: bool = False
 
+    @cached_property
+    def images(self) -> list[bytes]:
+        out = []
+        for img in self.frames:
+            buf = io.BytesIO()
+            img.save(buf, format="PNG")
+            out.append(buf.getvalue())
+        return out
+
     def to_json(self, image_paths: list[str] | None = None) -> dict[str, Any]:
-        """JSON-ready dict; images as the given file paths (or their byte sizes)."""
+        """JSON-ready dict; images as the given file paths (or their sizes)."""
         return {"status": self.status, "stdout": self.stdout, "stderr": self.stderr,
                 "images": list(image_paths) if image_paths is not None
-                else [f"<png {len(b)} bytes>" for b in self.images],
+                else [f"<image {img.width}x{img.height}>" for img in self.frames],
                 "duration_s": round(self.duration_s, 4), "truncated": self.truncated}
 
 
@@ -532,6 +547,58 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> b
     return bytes(buf)
 
 
+class _FrameReader:
+    """A running sandbox's socket, non-blocking, every wait bounded by a deadline: a call costs a
+    ``send``, a ``poll`` and (with the read-ahead buffer) usually one ``recv``. Made after the
+    output buffer's descriptor was received (a buffered read would swallow it)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        import select
+
+        self.sock = sock
+        self.buf = bytearray()
+        sock.setblocking(False)
+        self.poll = select.poll()
+        self.poll.register(sock, select.POLLIN)
+
+    def _wait(self, deadline: float) -> None:
+        left = deadline - time.monotonic()
+        if left <= 0 or not self.poll.poll(max(1, int(left * 1000) + 1)):
+            raise TimeoutError
+
+    def send(self, payload: bytes, deadline: float) -> None:
+        import select
+
+        data = memoryview(struct.pack(">I", len(payload)) + payload)
+        while data:
+            try:
+                data = data[self.sock.send(data):]
+            except BlockingIOError:
+                left = deadline - time.monotonic()
+                if left <= 0 or not select.select([], [self.sock], [], left)[1]:
+                    raise TimeoutError from None
+
+    def _take(self, n: int, deadline: float) -> bytes:
+        while len(self.buf) < n:
+            self._wait(deadline)  # poll first: the reply is rarely there already
+            try:
+                chunk = self.sock.recv(max(n - len(self.buf), 65536))
+            except BlockingIOError:
+                continue
+            if not chunk:
+                raise EOFError
+            self.buf += chunk
+        out = bytes(self.buf[:n])
+        del self.buf[:n]
+        return out
+
+    def frame(self, limit: int, deadline: float) -> bytes:
+        (n,) = struct.unpack(">I", self._take(4, deadline))
+        if n > limit:
+            raise ValueError(f"sandbox sent a {n}-byte frame (limit {limit})")
+        return self._take(n, deadline)
+
+
 def _recv_frame(sock: socket.socket, limit: int, deadline: float | None = None) -> bytes:
     (n,) = struct.unpack(">I", _recv_exact(sock, 4, deadline))
     if n > limit:
@@ -545,11 +612,14 @@ class Sandbox:
     def __init__(self, config: SandboxConfig | None = None, *,
                  images: Mapping[str, Any] | None = None,
                  videos: Mapping[str, Any] | None = None,
-                 context_pixels: tuple[int, int] | None = None) -> None:
+                 context_pixels: tuple[int, int] | None = None,
+                 context_factor: int = 28) -> None:
         """``context_pixels`` (min, max): shown images come back already at the size the model
-        sees them (Qwen2.5-VL's resize rule), figures drawn at about that size."""
+        sees them (the vision processor's resize rule, sides multiples of ``context_factor``),
+        figures drawn at about that size."""
         self.config = config or SandboxConfig()
         self.context_pixels = context_pixels
+        self.context_factor = context_factor
         # Bad media is reported before anything runs.
         self._media: list[tuple[dict, bytes]] = []
         for name, value in (images or {}).items():
@@ -578,7 +648,8 @@ class Sandbox:
                 "max_open_files": c.max_open_files, "max_output_chars": c.max_output_chars,
                 "max_images_per_call": c.max_images_per_call,
                 "max_image_pixels": SHOWN_IMAGE_MAX_PIXELS, "max_image_bytes": MAX_IMAGE_BYTES,
-                "context_pixels": list(self.context_pixels) if self.context_pixels else None,
+                "context_pixels": ([*self.context_pixels, self.context_factor]
+                                   if self.context_pixels else None),
                 "tmp_mb": c.max_file_mb * 2 + media_mb + 16}
 
     def _start(self) -> None:
@@ -599,6 +670,7 @@ class Sandbox:
                     os.close(fd)
                 raise EOFError
             self._output_fd = fds[0]
+            self._frames = _FrameReader(sock)
         except (OSError, EOFError, ValueError) as exc:
             # A worker that hung up has exited (or is about to): read its exit code before a
             # kill would replace it with SIGKILL.
@@ -629,16 +701,16 @@ class Sandbox:
         assert sock is not None
         start = time.monotonic()
         try:
-            sock.settimeout(self.config.timeout_s)
-            _send_frame(sock, json.dumps({"type": "run", "code": code}).encode())
-            header = json.loads(_recv_frame(sock, MAX_HEADER_BYTES,
-                                            start + self.config.timeout_s))
-            sizes = header.get("image_sizes", [])
-            if (not isinstance(sizes, list) or len(sizes) > self.config.max_images_per_call
-                    or any(not isinstance(s, int) or s > MAX_IMAGE_BYTES for s in sizes)):
-                raise ValueError("bad image sizes")
+            deadline = start + self.config.timeout_s
+            self._frames.send(json.dumps({"type": "run", "code": code}).encode(), deadline)
+            header = json.loads(self._frames.frame(MAX_HEADER_BYTES, deadline))
+            if not isinstance(header, dict):
+                raise ValueError("bad reply")  # noqa: TRY004 - handled as a crash below
+            specs = header.get("images", [])
+            if not isinstance(specs, list) or len(specs) > self.config.max_images_per_call:
+                raise ValueError("bad image list")
             sent_by = time.monotonic() + max(self.config.timeout_s, 30.0)
-            images = [_recv_frame(sock, MAX_IMAGE_BYTES, sent_by) for _ in sizes]
+            blobs = [self._frames.frame(MAX_IMAGE_BYTES, sent_by) for _ in specs]
         except TimeoutError:
             self._kill()
             t = self.config.timeout_s
@@ -652,12 +724,12 @@ class Sandbox:
         status = header.get("status")
         if status not in ("ok", "error", "oom"):
             status = "crashed"
-        valid_images = [b for b in images if _is_png(b)]
-        dropped = len(images) - len(valid_images)
+        frames = [img for img in map(_frame, specs, blobs) if img is not None]
+        dropped = len(specs) - len(frames)
         stderr = str(header.get("stderr", ""))
         if dropped:
             stderr += f"\n[sandbox: {dropped} invalid image(s) dropped]"
-        return ExecResult(status, note + str(header.get("stdout", "")), stderr, valid_images,
+        return ExecResult(status, note + str(header.get("stdout", "")), stderr, frames,
                           float(header.get("duration_s", time.monotonic() - start)),
                           bool(header.get("truncated", False)))
 
@@ -725,15 +797,15 @@ class Sandbox:
             self.close()
 
 
-def _is_png(data: bytes) -> bool:
-    """A PNG the host can safely decode: magic bytes, parseable header, bounded pixel count."""
-    if not data.startswith(b"\x89PNG\r\n\x1a\n"):
-        return False
+def _frame(spec: Any, blob: bytes) -> Any:
+    """A shown image from its raw pixels, or None when the sandbox sent anything but RGB pixels
+    of a bounded size whose byte count matches it (nothing is parsed or decoded)."""
     from PIL import Image
 
     try:
-        with Image.open(io.BytesIO(data)) as img:
-            w, h = img.size
-            return w * h <= MAX_IMAGE_PIXELS
-    except Exception:  # noqa: BLE001 - anything unparseable is dropped
-        return False
+        w, h = (int(v) for v in spec["size"])
+        ok = spec["mode"] == "RGB" and w > 0 and h > 0 and w * h <= MAX_IMAGE_PIXELS \
+            and len(blob) == w * h * 3
+    except (TypeError, KeyError, ValueError):
+        return None
+    return Image.frombytes("RGB", (w, h), blob) if ok else None

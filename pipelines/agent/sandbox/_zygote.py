@@ -8,7 +8,8 @@ are visible. It speaks two protocols:
   carries one end of a fresh socketpair (SCM_RIGHTS) plus the limits; ``kill`` ends a sandbox;
   the zygote reports ``exit`` events with the worker's exit code or signal.
 * worker (worker <-> host, AF_UNIX SOCK_STREAM): frames of ``4-byte big-endian length + JSON``,
-  followed by ``length + raw bytes`` blobs for media and PNG images.
+  followed by ``length + raw bytes`` blobs for media and for shown images (raw RGB pixels at the
+  size the model will see them: never encoded here nor decoded by the host).
 
 Worker set-up, in ``strict`` mode: new user, mount, pid, network, IPC and UTS namespaces (so no
 sibling sandbox is visible, addressable or reachable), a private size-limited tmpfs on /tmp, an
@@ -79,6 +80,31 @@ def recv_frame(sock: socket.socket) -> bytes:
     if n > MAX_FRAME:
         raise ValueError("frame too large")
     return recv_exact(sock, n)
+
+
+class FrameReader:
+    """``recv_frame`` with a read-ahead buffer: a small frame (a call's code) costs one
+    ``recv`` instead of two."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buf = bytearray()
+
+    def _take(self, n: int) -> bytes:
+        while len(self.buf) < n:
+            chunk = self.sock.recv(max(n - len(self.buf), 65536))
+            if not chunk:
+                raise EOFError("peer closed")
+            self.buf += chunk
+        out = bytes(self.buf[:n])
+        del self.buf[:n]
+        return out
+
+    def frame(self) -> bytes:
+        (n,) = struct.unpack(">I", self._take(4))
+        if n > MAX_FRAME:
+            raise ValueError("frame too large")
+        return self._take(n)
 
 
 # -- bounded output capture -----------------------------------------------------------------------
@@ -158,10 +184,21 @@ class BoundedText(io.TextIOBase):
         self.buf = memoryview(buf if buf is not None else bytearray(size))[:size]
         self.ring_start = OUTPUT_HEADER.size + self.head_cap
         self.ring_size = size - self.ring_start
-        self.total = self.head_chars = self.head_bytes = self.tail_written = 0
         self.lock = threading.Lock()
-        self.buffer = _BinaryOut(self)
+        self._binary: _BinaryOut | None = None
+        self.reset()
+
+    def reset(self) -> None:
+        """Empty, for the next call (the buffer is reused: no allocation per call)."""
+        self.total = self.head_chars = self.head_bytes = self.tail_written = 0
+        self._binary = None
         self._publish()
+
+    @property
+    def buffer(self) -> _BinaryOut:  # type: ignore[override]
+        if self._binary is None:  # made on first use: most calls never write bytes
+            self._binary = _BinaryOut(self)
+        return self._binary
 
     def _publish(self) -> None:
         OUTPUT_HEADER.pack_into(self.buf, 0, self.total, self.head_bytes, self.tail_written)
@@ -200,6 +237,10 @@ class BoundedText(io.TextIOBase):
 
     def getvalue(self) -> tuple[str, bool]:
         with self.lock:
+            if self.tail_written == 0 and self.total == self.head_chars:
+                # Everything fits in the head (the common case): no copy of the whole buffer.
+                at = OUTPUT_HEADER.size
+                return bytes(self.buf[at:at + self.head_bytes]).decode("utf-8", "replace"), False
             return render_output(self.buf, self.limit)
 
     def flush(self) -> None:
@@ -341,9 +382,13 @@ class Runtime:
         self.limits = limits
         self.output = output
         self.plt = preloaded["plt"]
+        from matplotlib._pylab_helpers import Gcf
+
+        self._open_figures = Gcf.figs  # pyplot's registry: checked per call without a copy
         self.Image = preloaded["Image"]
-        self.images: list[bytes] = []
+        self.images: list[tuple[dict, bytes]] = []  # (spec, raw pixels) of this call's images
         self.dropped = 0
+        self.out = BoundedText(int(limits["max_output_chars"]), output)
         self.globals: dict = {"__name__": "__main__", "__builtins__": __builtins__, **preloaded}
         self.globals["display"] = self.display
         runtime = self
@@ -356,11 +401,6 @@ class Runtime:
 
         self.plt.show = _plt_show
         self.Image.Image.show = _pil_show
-
-    def _png(self, save) -> bytes:
-        buf = io.BytesIO()
-        save(buf)
-        return buf.getvalue()
 
     def _check_aspect(self, w: float, h: float) -> None:
         if min(w, h) <= 0 or max(w, h) / min(w, h) >= self.MAX_ASPECT:
@@ -385,30 +425,36 @@ class Runtime:
               f"{int(h * scale)} to be shown (at most {most} pixels)]")
         return scale
 
-    def _keep(self, png: bytes) -> None:
+    def _keep(self, img) -> None:
+        """Queue ``img`` (RGB, final size) for the host as raw pixels: one copy, no encoding."""
+        raw = img.tobytes()
         most = self.limits["max_image_bytes"]
-        if len(png) > most:
-            print(f"[sandbox: an image was not shown: its PNG has {len(png)} bytes, more than "
-                  f"{most}]")
+        if len(raw) > most:
+            print(f"[sandbox: an image was not shown: it has {len(raw)} bytes of pixels, more "
+                  f"than {most}]")
         else:
-            self.images.append(png)
+            self.images.append(({"mode": "RGB", "size": list(img.size)}, raw))
 
     def _context_size(self, w: float, h: float) -> tuple[int, int] | None:
-        """The size the model will see an image of ``w`` x ``h`` at (Qwen2.5-VL's resize rule
-        with the agent's pixel bounds), or None when the sandbox was not told the bounds."""
+        """The size the model will see an image of ``w`` x ``h`` at (the vision processor's resize
+        rule with the agent's pixel bounds), or None when the sandbox was not told the bounds."""
         bounds = self.limits.get("context_pixels")
         if not bounds:
             return None
-        ch, cw = smart_resize(int(h), int(w), min_pixels=bounds[0], max_pixels=bounds[1])
+        factor = bounds[2] if len(bounds) > 2 else 28
+        ch, cw = smart_resize(int(h), int(w), factor=factor, min_pixels=bounds[0],
+                              max_pixels=bounds[1])
         return cw, ch
 
     def _to_context(self, img, size: tuple[int, int] | None = None):
-        """``img`` at its context size (or ``size``): the same resize the agent loop would do,
+        """``img`` in RGB at its context size (or ``size``): the resize the agent loop would do,
         done here so that only the small image travels back."""
         size = size or self._context_size(*img.size)
+        if img.mode != "RGB":
+            img = img.convert("RGB")
         if size is None or size == img.size:
             return img
-        return img.convert("RGB").resize(size)
+        return img.resize(size, self.Image.Resampling.BICUBIC)
 
     def add_pil(self, img) -> None:
         w, h = img.size
@@ -419,8 +465,7 @@ class Runtime:
         if scale < 1.0:
             img = img.resize((max(1, int(w * scale)), max(1, int(h * scale))),
                              self.Image.Resampling.BILINEAR, reducing_gap=2.0)
-        img = self._to_context(img)
-        self._keep(self._png(lambda b: img.save(b, format="PNG", compress_level=1)))
+        self._keep(self._to_context(img))
 
     def add_figure(self, fig) -> None:
         try:
@@ -434,14 +479,17 @@ class Runtime:
                 # Drawn at about the size the model will see (never below it), not at full size
                 # and then shrunk: a 640x480 figure seen at 112x84 costs a fifth of the drawing.
                 dpi = min(dpi, fig.dpi * max(size[0] / w, size[1] / h) * 1.25)
-            # No tight bbox (it draws the figure twice) and fast PNG compression: together they
-            # halve the cost of a plt.show().
-            png = self._png(lambda b: fig.savefig(b, format="png", dpi=dpi,
-                                                  pil_kwargs={"compress_level": 1}))
-            if size is not None:
-                img = self._to_context(self.Image.open(io.BytesIO(png)), size)
-                png = self._png(lambda b: img.save(b, format="PNG", compress_level=1))
-            self._keep(png)
+            # Rendered into Agg's buffer and taken as pixels: no PNG written and read back.
+            canvas = fig.canvas
+            if not hasattr(canvas, "buffer_rgba"):
+                from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+                canvas = FigureCanvasAgg(fig)
+            fig.set_dpi(dpi)
+            canvas.draw()
+            rgba = self.Image.frombuffer("RGBA", canvas.get_width_height(),
+                                         canvas.buffer_rgba(), "raw", "RGBA", 0, 1)
+            self._keep(self._to_context(rgba, size))
         finally:
             self.plt.close(fig)
 
@@ -462,7 +510,8 @@ class Runtime:
 
     def run(self, code: str) -> dict:
         limit = int(self.limits["max_output_chars"])
-        out = BoundedText(limit, self.output)
+        out = self.out
+        out.reset()
         self.images = []
         self.dropped = 0
         old_out, old_err = sys.stdout, sys.stderr
@@ -474,7 +523,8 @@ class Runtime:
             compiled = compile(code, "<code>", "exec")
             exec(compiled, self.globals)  # noqa: S102 - running the model's code is the point
             # Figures drawn but never shown are closed, not leaked into the next call.
-            self.plt.close("all")
+            if self._open_figures:
+                self.plt.close("all")
         except MemoryError:
             status, error = "oom", "MemoryError: the code exceeded the sandbox's memory limit"
         except SystemExit as exc:
@@ -502,9 +552,11 @@ class Runtime:
             out.write(f"[sandbox: {n} image{'s' if n > 1 else ''} beyond the limit of {most} per "
                       f"call {'were' if n > 1 else 'was'} not shown]\n")
         text, truncated = out.getvalue()
-        err = BoundedText(limit)
-        err.write(error)
-        err_text, err_trunc = err.getvalue()
+        err_text, err_trunc = error, False
+        if len(error) > limit:
+            err = BoundedText(limit)
+            err.write(error)
+            err_text, err_trunc = err.getvalue()
         return {"status": status, "stdout": text, "stderr": err_text,
                 "truncated": truncated or err_trunc, "duration_s": time.monotonic() - start,
                 "images": self.images}
@@ -513,26 +565,46 @@ class Runtime:
 class _FdPumps:
     """Routes bytes written to fds 1 and 2 (C code, child processes) to the current call's sink.
 
-    ``drain`` writes a marker into the pipe and waits until the reader has passed it: the pipe is
-    FIFO, so everything written before the call ended has then reached the sink.
+    ``drain`` makes sure everything written before the call ended has reached the sink. When the
+    pipe is empty and the reader holds nothing back (the reader reads and emits under
+    ``io_lock``, so "empty" cannot be seen while bytes are in flight between the two), that is
+    already true and costs nothing. Otherwise it writes a marker into the pipe and waits until the
+    reader has passed it: the pipe is FIFO, so everything written before has then been emitted.
     """
 
     MARKER = b"\x00pyvision-drain\x00"
 
     def __init__(self) -> None:
         self.sink: BoundedText | None = None
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()      # the sink
+        self.io_lock = threading.Lock()   # a read and its emit, as one step
         self.drained = threading.Event()
         self.write_fd: int | None = None
+        self.read_fd: int | None = None
+        self.carry = b""
 
     def set_sink(self, sink: BoundedText | None) -> None:
         with self.lock:
             self.sink = sink
 
+    def _idle(self) -> bool:
+        """Nothing in the pipe and nothing held back by the reader."""
+        import fcntl
+        import termios
+
+        with self.io_lock:
+            pending = struct.unpack("i", fcntl.ioctl(self.read_fd, termios.FIONREAD, b"\0" * 4))[0]
+            return pending == 0 and not self.carry
+
     def drain(self, timeout_s: float = 1.0) -> None:
         if self.write_fd is None:
             return
         libc.fflush(None)
+        try:
+            if self._idle():
+                return
+        except OSError:
+            pass
         self.drained.clear()
         try:
             os.write(self.write_fd, self.MARKER)
@@ -544,6 +616,7 @@ class _FdPumps:
         r, w = os.pipe()
         # A private write end for markers, so user code closing fd 1 cannot block draining.
         self.write_fd = os.dup(w)
+        self.read_fd = r
         os.dup2(w, 1)
         os.dup2(w, 2)
         os.close(w)
@@ -555,27 +628,31 @@ class _FdPumps:
                 self.sink.write(data.decode("utf-8", "replace"))
 
     def _loop(self, fd: int) -> None:
-        carry = b""
         keep = len(self.MARKER) - 1
         while True:
             try:
-                data = os.read(fd, 65536)
+                select.select([fd], [], [])  # wait without taking the bytes
             except OSError:
                 return
-            if not data:
-                return
-            data = carry + data
-            while (i := data.find(self.MARKER)) >= 0:
-                self._emit(data[:i])
-                data = data[i + len(self.MARKER):]
-                self.drained.set()
-            # Hold back only what may be the start of a marker (a NUL and what follows it):
-            # everything else reaches the sink now, so a process killed in the middle of a
-            # call still leaves its output there.
-            cut = next((i for i in range(max(0, len(data) - keep), len(data))
-                        if self.MARKER.startswith(data[i:])), len(data))
-            self._emit(data[:cut])
-            carry = data[cut:]
+            with self.io_lock:
+                try:
+                    data = os.read(fd, 65536)
+                except OSError:
+                    return
+                if not data:
+                    return
+                data = self.carry + data
+                while (i := data.find(self.MARKER)) >= 0:
+                    self._emit(data[:i])
+                    data = data[i + len(self.MARKER):]
+                    self.drained.set()
+                # Hold back only what may be the start of a marker (a NUL and what follows it):
+                # everything else reaches the sink now, so a process killed in the middle of a
+                # call still leaves its output there.
+                cut = next((i for i in range(max(0, len(data) - keep), len(data))
+                            if self.MARKER.startswith(data[i:])), len(data))
+                self._emit(data[:cut])
+                self.carry = data[cut:]
 
 
 _pumps = _FdPumps()
@@ -600,7 +677,8 @@ def worker_main(sock: socket.socket, limits: dict, preloaded: dict, mode: str,
     ``output_fd`` is the shared output buffer: handed to the host once the media are loaded,
     before any of the code runs, then closed here (the mapping stays)."""
     output = mmap.mmap(output_fd, output_buffer_size(int(limits["max_output_chars"])))
-    init = json.loads(recv_frame(sock))
+    frames = FrameReader(sock)
+    init = json.loads(frames.frame())
     workdir = "/tmp" if mode == "strict" else tempfile.mkdtemp(prefix="pyvision-sbx-")
     os.chdir(workdir)
     os.environ.clear()
@@ -609,7 +687,7 @@ def worker_main(sock: socket.socket, limits: dict, preloaded: dict, mode: str,
     runtime = Runtime(preloaded, limits, output)
     Image = preloaded["Image"]
     for spec in init.get("media", []):
-        blob = recv_frame(sock)
+        blob = frames.frame()
         if spec["kind"] == "image_raw":
             runtime.globals[spec["name"]] = Image.frombytes(spec["mode"], tuple(spec["size"]), blob)
         elif spec["kind"] == "image":
@@ -635,16 +713,16 @@ def worker_main(sock: socket.socket, limits: dict, preloaded: dict, mode: str,
     os.close(output_fd)
     while True:
         try:
-            msg = json.loads(recv_frame(sock))
+            msg = json.loads(frames.frame())
         except EOFError:
             os._exit(0)
         if msg.get("type") != "run":
             continue
         result = runtime.run(msg["code"])
         images = result.pop("images")
-        result["image_sizes"] = [len(b) for b in images]
+        result["images"] = [spec for spec, _ in images]
         send_frame(sock, json.dumps(result).encode())
-        for blob in images:
+        for _, blob in images:
             send_frame(sock, blob)
 
 
