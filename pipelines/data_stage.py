@@ -161,7 +161,8 @@ def run_data_stage(recipe: Recipe, sd: StageDir, *, show_progress: bool = True) 
         conversations += drills
         summary["sft_drill_rows"] = sum(len(d) for _, d in drills)
     if conversations:
-        info = export_llamafactory(conversations, root / "llamafactory", name="pyvision_sft")
+        info = export_llamafactory(conversations, root / "llamafactory", name="pyvision_sft",
+                                   agent_cfg=recipe.agent)
         outputs["sft_dataset_dir"], outputs["sft_dataset_name"] = info["dataset_dir"], info["dataset"]
         summary["sft_rows"] = info["rows"]
     summary["seconds"] = round(time.monotonic() - start, 1)

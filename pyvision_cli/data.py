@@ -182,7 +182,8 @@ def export(
             from pipelines.data.drills import copy_drills as make_drills
 
             sources += [(root, make_drills(convs, copy_drills, seed)) for root, convs in sources]
-        info = export_llamafactory(sources, out, name=name)
+        info = export_llamafactory(sources, out, name=name,
+                                   agent_cfg=load_recipe(config, set_).agent)
     elif fmt == "verl":
         from pipelines.data.export_verl import export_verl
 

@@ -30,9 +30,11 @@ def tiny(
     size: Annotated[Literal["nano", "small"], typer.Option(help="nano (unit tests, ~0.4M params) or small (demo, ~5M).")] = "small",
     seed: Annotated[int, typer.Option(help="Seed for tokenizer corpus and weights.", min=0)] = 0,
     force: Annotated[bool, typer.Option("--force", help="Replace a non-empty OUT_DIR.")] = False,
+    arch: Annotated[str, typer.Option(help="qwen2_5_vl, or qwen3_vl (recipes then need agent.image_factor=32).")] = "qwen2_5_vl",
     json_out: JsonOpt = False,
 ) -> None:
-    """Build a randomly initialised Qwen2.5-VL with a locally trained tokenizer, offline."""
+    """Build a randomly initialised Qwen2.5-VL (or Qwen3-VL) with a locally trained tokenizer,
+    offline."""
     import time
 
     from pipelines.inputs import check_writable_dir
@@ -41,9 +43,10 @@ def tiny(
     from pipelines.models.tiny import build_tiny_model, describe_model
 
     start = time.monotonic()
-    with err.status(f"building tiny Qwen2.5-VL ({size}, seed {seed}) ..."):
-        path = build_tiny_model(out_dir, size=size, seed=seed, force=force)  # type: ignore[arg-type]
-    info = describe_model(path) | {"size": size, "seed": seed,
+    with err.status(f"building tiny {arch} ({size}, seed {seed}) ..."):
+        path = build_tiny_model(out_dir, size=size, seed=seed, force=force,  # type: ignore[arg-type]
+                                arch=arch)  # type: ignore[arg-type]
+    info = describe_model(path) | {"size": size, "seed": seed, "arch": arch,
                                    "seconds": round(time.monotonic() - start, 2)}
     err.print(f"[green]built[/] {path}: {info['parameters']:,} parameters "
               f"(vision {info['vision_parameters']:,}), vocabulary {info['vocab_size']}, "

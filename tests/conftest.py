@@ -35,3 +35,13 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("tiny-nano") / "model"
     build_tiny_model(out, size="nano", seed=0)
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A nano tiny Qwen3-VL (its processor and chat template), sharing the nano tokenizer."""
+    from pipelines.models.tiny import build_tiny_model
+
+    out = tmp_path_factory.mktemp("tiny-nano-qwen3") / "model"
+    build_tiny_model(out, size="nano", seed=0, arch="qwen3_vl", tokenizer_from=tiny_model_dir)
+    return out

@@ -139,7 +139,7 @@ def test_export_llamafactory_layout(tmp_path):
     out = tmp_path / "lf"
     info = export_llamafactory([(src, [conv])], out, name="pyvision_sft")
     assert info == {"dataset_dir": str(out), "dataset": "pyvision_sft", "rows": 1, "images": 2,
-                    "videos": 0}
+                    "videos": 0, "images_resized": 0}
     ds_info = json.loads((out / "dataset_info.json").read_text())
     assert ds_info["pyvision_sft"]["formatting"] == "sharegpt"
     row = json.loads((out / "pyvision_sft.jsonl").read_text())

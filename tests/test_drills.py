@@ -91,13 +91,15 @@ def test_drills_export_to_llamafactory_as_media_free_rows(tmp_path):
 
 
 def test_export_cli_adds_drills(tmp_path):
+    from PIL import Image
     from typer.testing import CliRunner
 
     from pipelines.core.records import write_conversations
     from pyvision_cli.data import app
 
     (tmp_path / "src").mkdir()
-    (tmp_path / "src" / "a.png").write_bytes(b"")
+    # A real image: the CLI's export brings images to the recipe's context size, so it reads them.
+    Image.new("RGB", (64, 48)).save(tmp_path / "src" / "a.png")
     write_conversations(tmp_path / "src" / "conversations.jsonl", [conv(i, "2", "2") for i in range(4)])
     args = ["export", "--format", "llamafactory", "--source", str(tmp_path / "src"), "--json"]
     plain = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "plain")])

@@ -132,7 +132,7 @@ def test_describe_and_cli(tmp_path):
     info = json.loads(result.stdout)
     assert 100_000 < info["parameters"] < 2_000_000 and info["vision_parameters"] > 0
     assert info == {**describe_model(tmp_path / "m"), "size": "nano", "seed": 0,
-                    "seconds": info["seconds"]}
+                    "arch": "qwen2_5_vl", "seconds": info["seconds"]}
     again = CliRunner().invoke(app, ["tiny", str(tmp_path / "m"), "--size", "nano"])
     assert again.exit_code == 2 and "--force" in again.output
 
@@ -151,3 +151,12 @@ def test_small_size_budget(tmp_path):
     start = time.monotonic()
     model(input_ids=ids, labels=ids).loss.backward()
     assert time.monotonic() - start < 10  # fwd+bwd of 1024 tokens; ~0.5 s on 2 cores
+
+
+def test_unknown_architecture_is_refused_before_any_work(tmp_path):
+    from pipelines.errors import UserError
+    from pipelines.models.tiny import build_tiny_model
+
+    with pytest.raises(UserError, match="unknown tiny model architecture 'llava'"):
+        build_tiny_model(tmp_path / "m", arch="llava")  # type: ignore[arg-type]
+    assert not (tmp_path / "m").exists()

@@ -28,7 +28,6 @@ from pipelines.agent.prompts import build_initial_messages
 from pipelines.config.recipe import load_recipe
 from pipelines.core.records import Task
 from pipelines.errors import DataError
-from pipelines.rl.verl.agent_loop import fit_response
 
 TARGET = "pipelines.rl.verl.agent_loop.PyVisionAgentLoop"
 CODE_TURN = ("Let me look.\n<code>\n```python\nprint(image_clue_0.size)\n"
@@ -525,20 +524,6 @@ def test_sampled_vision_tokens_end_the_turn(verl_parts, image_task, tmp_path):
     assert out.response_ids == thinking and out.response_mask == [1] * len(thinking)
     assert out.extra_fields["stop_reason"] == "no_code_nor_answer"
     _verl_postprocess(verl_parts, out, row)
-
-
-def test_fit_response_never_splits_an_image_span():
-    vs, ve, pad = 1, 2, 3
-    prompt = [9, vs, pad, pad, ve]
-    response = [5, 5, vs, pad, pad, pad, ve, 6, vs, pad, pad, ve, 7]
-    mask = [1, 1] + [0] * 10 + [1]
-    images = ["prompt", "fig1", "fig2"]
-    for budget, kept, n in [(20, 13, 3), (12, 12, 3), (11, 8, 2), (9, 8, 2), (7, 7, 2),
-                            (6, 2, 1), (3, 2, 1), (2, 2, 1)]:
-        ids, m, lp, imgs = fit_response(prompt, response, mask, [0.0] * 13, images, budget,
-                                        vs, ve, pad)
-        assert (len(ids), len(imgs)) == (kept, n), budget
-        assert m == mask[:kept] and len(lp) == kept and imgs == images[:n]
 
 
 def test_row_without_task_is_a_data_error(verl_parts, image_task, tmp_path):

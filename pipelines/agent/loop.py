@@ -13,15 +13,17 @@ that reports each turn as it ends (``on_done``, the in-process policy) lets an e
 in the sandbox while the rest of the batch is still generating; what the code returns is the same,
 only sooner.
 
-Stop reasons: ``answered``, ``max_turns``, ``context_overflow`` (the context reached the token
-limit), ``image_limit`` (showing more images would exceed ``max_images``),
-``no_code_nor_answer``, ``tool_error`` (a failed call with ``on_error: terminate``).
+Stop reasons (every trajectory has exactly one): ``answered``, ``max_turns``,
+``context_overflow`` (the context reached the token limit), ``image_limit`` (showing more images
+would exceed ``max_images``), ``no_code_nor_answer`` (malformed: a turn with neither code nor an
+answer), ``tool_error`` (a failed call with ``on_error: terminate``), ``prompt_too_long`` (the
+first turn alone exceeds ``max_prompt_tokens``: the episode never generates, and RL drops it).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
-import io
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -53,20 +55,16 @@ class Episode:
     pending_code: str | None = None
 
 
-def _pil(png: bytes) -> Any:
-    from PIL import Image
-
-    img = Image.open(io.BytesIO(png))
-    img.load()
-    return img.convert("RGB")
-
-
 def run_episodes(items: Iterable[tuple[Task, Path]], policy: Policy, agent_cfg: AgentConfig,
                  sandbox_cfg: SandboxConfig | None = None, *,
                  mode: Literal["train", "eval"] = "eval", batch_size: int = 8,
                  n_per_item: int = 1, variant: str | None = None,
-                 sampling: Sampling | None = None) -> Iterator[Trajectory]:
-    """Run every (task, media root) ``n_per_item`` times; yield trajectories as they finish."""
+                 sampling: Sampling | None = None,
+                 max_prompt_tokens: int | None = None) -> Iterator[Trajectory]:
+    """Run every (task, media root) ``n_per_item`` times; yield trajectories as they finish.
+
+    ``max_prompt_tokens``: an episode whose first turn (image tokens included) is longer stops
+    at once with ``prompt_too_long`` instead of failing the batch."""
     from pipelines.agent.sandbox import Sandbox
 
     sandbox_cfg = sandbox_cfg or SandboxConfig()
@@ -119,7 +117,8 @@ def run_episodes(items: Iterable[tuple[Task, Path]], policy: Policy, agent_cfg: 
             ep.sandbox = Sandbox(sandbox_cfg, images=ep.runtime_media["images"],
                                  videos=ep.runtime_media["videos"],
                                  context_pixels=(agent_cfg.image_min_pixels,
-                                                 agent_cfg.image_max_pixels))
+                                                 agent_cfg.image_max_pixels),
+                                 context_factor=agent_cfg.image_factor)
         return ep.sandbox.run(ep.pending_code or "")
 
     streams = policy is not None and "on_done" in inspect.signature(policy.generate).parameters
@@ -127,7 +126,10 @@ def run_episodes(items: Iterable[tuple[Task, Path]], policy: Policy, agent_cfg: 
         while queue or active:
             while queue and len(active) < batch_size:
                 ep = start(*queue.popleft())
-                if policy.context_tokens(ep.handle) >= agent_cfg.max_context_tokens:
+                if max_prompt_tokens is not None and \
+                        policy.token_counts(ep.handle)["prompt"] > max_prompt_tokens:
+                    finish(ep, "prompt_too_long")
+                elif policy.context_tokens(ep.handle) >= agent_cfg.max_context_tokens:
                     finish(ep, "context_overflow")
                 else:
                     active.append(ep)
@@ -135,8 +137,8 @@ def run_episodes(items: Iterable[tuple[Task, Path]], policy: Policy, agent_cfg: 
             if not active:
                 continue
             room = min(agent_cfg.max_context_tokens - policy.context_tokens(e.handle) for e in active)
-            step = Sampling(max(1, min(sampling.max_new_tokens, room)), sampling.temperature,
-                            sampling.top_p)
+            step = dataclasses.replace(sampling,
+                                       max_new_tokens=max(1, min(sampling.max_new_tokens, room)))
             early: dict[int, Any] = {}
 
             def started(i: int, gen: Any, batch: list[Episode] = active,
@@ -181,16 +183,18 @@ def run_episodes(items: Iterable[tuple[Task, Path]], policy: Policy, agent_cfg: 
                 t.successful_calls += int(ok)
                 t.failed_calls += int(not ok)
                 turn.result = ToolResult(res.status, res.stdout, res.stderr, res.duration_s,
-                                         len(res.images), res.truncated)
+                                         len(res.frames), res.truncated)
                 ep.pending_code = None
                 if not ok and agent_cfg.on_error == "terminate":
                     finish(ep, "tool_error")
                     continue
-                if ep.images_in_context + len(res.images) > agent_cfg.max_images:
+                if ep.images_in_context + len(res.frames) > agent_cfg.max_images:
                     finish(ep, "image_limit")
                     continue
-                images = [resize_for_context(_pil(b), agent_cfg.image_min_pixels,
-                                             agent_cfg.image_max_pixels) for b in res.images]
+                # Already at context size (the sandbox resized them); this is then a no-op.
+                images = [resize_for_context(img, agent_cfg.image_min_pixels,
+                                             agent_cfg.image_max_pixels, agent_cfg.image_factor)
+                          for img in res.frames]
                 parts = format_observation(res.status, res.stdout, res.stderr, len(images),
                                            ep.images_in_context + 1, agent_cfg.on_error)
                 stored, k = [], 0

@@ -55,11 +55,32 @@ def variant_for(task: Task, agent_cfg: AgentConfig, override: str | None = None)
     return "image" if task.images else "image_noinit"
 
 
-def resize_for_context(image: Any, min_pixels: int, max_pixels: int) -> Any:
-    """Resize as Qwen2.5-VL's processor would (sides multiples of 28 within the pixel budget)."""
-    h, w = smart_resize(image.height, image.width, factor=28, min_pixels=min_pixels,
+def context_size(width: int, height: int, min_pixels: int, max_pixels: int,
+                 factor: int = 28) -> tuple[int, int]:
+    """(width, height) an image of ``width`` x ``height`` has in the model's context: the vision
+    processor's rule (sides multiples of ``factor`` within the pixel budget)."""
+    h, w = smart_resize(height, width, factor=factor, min_pixels=min_pixels,
                         max_pixels=max_pixels)
-    return image if (w, h) == image.size else image.resize((w, h))
+    return w, h
+
+
+def visual_tokens(width: int, height: int, min_pixels: int, max_pixels: int,
+                  factor: int = 28) -> int:
+    """Visual tokens an image of ``width`` x ``height`` costs: one per ``factor`` x ``factor``
+    square of its context size."""
+    w, h = context_size(width, height, min_pixels, max_pixels, factor)
+    return (w // factor) * (h // factor)
+
+
+def resize_for_context(image: Any, min_pixels: int, max_pixels: int, factor: int = 28) -> Any:
+    """``image`` at its context size, the one resize every image gets before any processor sees
+    it: prompt images and frames (here), interpreter images (the agent loop, and the sandbox,
+    which returns them at this size already), SFT export (``pipelines/data/export_llamafactory``)
+    and every token context (``ChatTokens.encode``). A processor that then ignores
+    ``min_pixels``/``max_pixels`` has nothing left to resize, and ``ChatTokens`` checks the visual
+    token count it produced per image."""
+    size = context_size(image.width, image.height, min_pixels, max_pixels, factor)
+    return image if size == image.size else image.resize(size)
 
 
 def video_info(path: Path) -> dict[str, Any]:
@@ -103,7 +124,8 @@ def build_initial_messages(task: Task, media_root: Path, variant: str, agent_cfg
                                f"image_clue_{i}: Image Width: {full.width}; Image Height: {full.height}")
             if variant == "image":
                 context_images.append(resize_for_context(full, agent_cfg.image_min_pixels,
-                                                         agent_cfg.image_max_pixels))
+                                                         agent_cfg.image_max_pixels,
+                                                         agent_cfg.image_factor))
     else:
         vpath = task.video_path(media_root)
         if vpath is None or not vpath.is_file():
@@ -120,7 +142,8 @@ def build_initial_messages(task: Task, media_root: Path, variant: str, agent_cfg
             idx = np.linspace(0, meta["frames"] - 1, n).round().astype(int).tolist()
             frames = meta["reader"].get_batch(idx).asnumpy()
             context_images = [resize_for_context(Image.fromarray(f), agent_cfg.image_min_pixels,
-                                                 agent_cfg.image_max_pixels) for f in frames]
+                                                 agent_cfg.image_max_pixels, agent_cfg.image_factor)
+                              for f in frames]
     text = template.replace("{media_info}", "\n".join(media_lines)).replace(
         "{question}", task.question.strip())
     parts: list[dict] = []

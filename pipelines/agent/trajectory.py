@@ -13,7 +13,11 @@ from pipelines.core.records import Conversation, Message
 
 SCHEMA_VERSION = 1
 StopReason = Literal["answered", "max_turns", "context_overflow", "image_limit",
-                     "no_code_nor_answer", "tool_error"]
+                     "no_code_nor_answer", "tool_error", "prompt_too_long"]
+STOP_REASONS: tuple[str, ...] = StopReason.__args__  # type: ignore[attr-defined]
+# Stops by a limit of the environment (turns, context / response tokens), not by the model:
+# what over-turn masking (`rl.mask_truncated`) keeps out of the loss.
+TRUNCATED_STOPS = frozenset({"max_turns", "context_overflow"})
 
 
 @dataclass

@@ -49,6 +49,11 @@ class AgentConfig(Section):
     """Largest pixel count an image is resized to before it enters the model's context (the
     sandbox always holds the full-resolution original)."""
 
+    image_factor: Literal[28, 32] = 28
+    """Image sides are resized to multiples of this many pixels, one visual token per factor x
+    factor square: the vision tower's patch size times its merge size (Qwen2.5-VL: 14 x 2 = 28;
+    Qwen3-VL: 16 x 2 = 32). Checked against the model's processor when a model is loaded."""
+
     video_context: Literal["on_demand", "uniform"] = "on_demand"
     """`on_demand`: no frames in the context, the model samples frames with code (the paper);
     `uniform`: a baseline that puts uniformly sampled frames in the context."""

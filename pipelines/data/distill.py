@@ -430,7 +430,8 @@ def _finish(out: Path, recipe: Recipe, items: list[tuple[Task, Path]],
     write_conversations(out / "conversations.jsonl", convs)
     exported = None
     if convs:
-        exported = export_llamafactory([(out, convs)], out, name=DATASET_NAME)
+        exported = export_llamafactory([(out, convs)], out, name=DATASET_NAME,
+                                       agent_cfg=recipe.agent)
     card = _card(rows, kept, trajs, items, k=k, teacher=teacher, model=model, server=server,
                  sampling=sampling, max_turns=max_turns, max_tokens=max_tokens, recipe=recipe,
                  usage=usage, cost_reported=cost_reported, run=run, exported=exported)

@@ -26,8 +26,12 @@ in the sandbox, reached through ``extra_info``); the uniform baseline puts sampl
 context as images, which are written as PNG files here because verl's dataset reads files.
 
 Every row is validated: the read itself (schema, answer, media present; reported with file and
-line), then the prompt build (media that open) and the placeholder count. ``strict`` fails on the
-first bad row; otherwise it is skipped and counted. Files appear complete or not at all.
+line), then the prompt build (media that open) and the placeholder count, and, when the model's
+processor is given (``pyvision rl --engine verl`` passes the policy's), the prompt's length in
+tokens, image tokens included: a prompt over ``max_prompt_tokens`` is dropped and counted
+(``prompt_too_long``) rather than left for verl, whose padding would fail the step. ``strict``
+fails on the first bad row; otherwise it is skipped and counted. Files appear complete or not at
+all.
 """
 
 from __future__ import annotations
@@ -54,15 +58,31 @@ from pipelines.fsutil import atomic_dir
 AGENT_NAME = "pyvision_agent"
 
 
+PROMPT_TOO_LONG = "prompt_too_long"
+
+
+class PromptTooLong(DataError):
+    """A task whose first turn does not fit the prompt budget."""
+
+
 def task_row(task: Task, root: Path, agent_cfg: AgentConfig, *, index: int, split: str,
-             frames_dir: Path | None = None, frames_final: Path | None = None) -> dict[str, Any]:
-    """The verl row of one task (raises DataError when its media cannot be used).
+             frames_dir: Path | None = None, frames_final: Path | None = None,
+             count_tokens: Any = None, max_prompt_tokens: int | None = None) -> dict[str, Any]:
+    """The verl row of one task (raises DataError when its media cannot be used, PromptTooLong
+    when ``count_tokens(messages)`` exceeds ``max_prompt_tokens``).
 
     Context frames of the uniform video baseline are saved into ``frames_dir`` and referenced at
     ``frames_final`` (where the folder will be once the export is complete).
     """
     variant = variant_for(task, agent_cfg)
     messages, info, _runtime = build_initial_messages(task, root, variant, agent_cfg)
+    if count_tokens is not None and max_prompt_tokens is not None:
+        n = count_tokens(messages)
+        if n > max_prompt_tokens:
+            raise PromptTooLong(f"task {task.id}: the prompt has {n} tokens (image tokens "
+                                f"included), more than {max_prompt_tokens}",
+                                hint="raise rl.max_prompt_tokens, lower "
+                                     "agent.image_max_pixels, or drop the task")
     parts = messages[0]["content"]
     text = "".join(p["text"] if p["type"] == "text" else IMAGE_PLACEHOLDER for p in parts)
     n_context = sum(1 for p in parts if p["type"] == "image")
@@ -137,11 +157,20 @@ def _write_parquet(rows: list[dict[str, Any]], path: Path) -> Path:
 PARALLEL_MIN_ROWS = 64
 
 
+# Counts a prompt's tokens with the model's processor (set by export_verl for the duration of an
+# export; forked workers inherit it rather than unpickling a processor per row).
+_COUNTER: tuple[Any, int] | None = None
+
+
 def _try_row(job: tuple) -> tuple[dict[str, Any] | None, str | None, str | None]:
     task, root, agent_cfg, index, split, frames_dir, frames_final = job
+    count, limit = _COUNTER if _COUNTER is not None else (None, None)
     try:
         return task_row(task, root, agent_cfg, index=index, split=split, frames_dir=frames_dir,
-                        frames_final=frames_final), None, None
+                        frames_final=frames_final, count_tokens=count,
+                        max_prompt_tokens=limit), None, None
+    except PromptTooLong as exc:
+        return None, f"{PROMPT_TOO_LONG}: {exc.message}", exc.hint
     except DataError as exc:
         return None, exc.message, exc.hint
 
@@ -157,7 +186,8 @@ def _rows(sources: Iterable[str | Path], agent_cfg: AgentConfig, *, split: str, 
         for task in tasks:
             jobs.append((task, root, agent_cfg, len(jobs), split, frames_dir, frames_final))
             owners.append(report)
-    workers = min(os.cpu_count() or 1, 16)
+    # Counting prompt tokens runs the processor (torch): never in forked children.
+    workers = min(os.cpu_count() or 1, 16) if _COUNTER is None else 1
     if len(jobs) < PARALLEL_MIN_ROWS or workers == 1:
         results = map(_try_row, jobs)
     else:
@@ -175,8 +205,10 @@ def _rows(sources: Iterable[str | Path], agent_cfg: AgentConfig, *, split: str, 
                 where = f"{report.path}: row '{job[0].id}'"
                 if strict:
                     raise DataError(f"{where}: {message}", hint=hint)
-                reason = "placeholder_mismatch" if "placeholders" in str(message) else "bad_media"
-                report.skip(reason, where, str(message))
+                reason = ("placeholder_mismatch" if "placeholders" in str(message) else
+                          PROMPT_TOO_LONG if str(message).startswith(PROMPT_TOO_LONG) else
+                          "bad_media")
+                report.skip(reason, where, str(message).removeprefix(f"{PROMPT_TOO_LONG}: "))
                 report.kept -= 1
                 continue
             row["extra_info"]["index"] = len(rows)  # contiguous after skipped rows
@@ -188,15 +220,41 @@ def _rows(sources: Iterable[str | Path], agent_cfg: AgentConfig, *, split: str, 
     return rows
 
 
+def prompt_counter(processor: Any, agent_cfg: AgentConfig) -> Any:
+    """``messages -> prompt tokens`` as the agent loop will render them with ``processor``."""
+    from pipelines.agent.policies.tokens import ChatTokens
+
+    tokens = ChatTokens(processor, image_min_pixels=agent_cfg.image_min_pixels,
+                        image_max_pixels=agent_cfg.image_max_pixels, keep_pixels=False,
+                        image_factor=agent_cfg.image_factor)
+    return lambda messages: tokens.begin(messages).prompt_len
+
+
 def export_verl(sources: Sequence[str | Path], out: str | Path, *, name: str = "pyvision_rl",
                 agent_cfg: AgentConfig | None = None, val_sources: Sequence[str | Path] = (),
-                strict: bool = False) -> dict[str, Any]:
+                strict: bool = False, processor: Any = None,
+                max_prompt_tokens: int | None = None) -> dict[str, Any]:
     """Write ``out/<name>.parquet`` (and ``out/<name>_val.parquet`` when ``val_sources``).
 
-    ``sources`` are task folders (or ``tasks.jsonl`` files). Returns the paths, row counts, rows
-    skipped by reason and the first problems (file and line or row id).
+    ``sources`` are task folders (or ``tasks.jsonl`` files). With ``processor`` and
+    ``max_prompt_tokens``, tasks whose prompt is longer are dropped (``prompt_too_long``).
+    Returns the paths, row counts, rows skipped by reason and the first problems (file and line
+    or row id).
     """
+    global _COUNTER
     agent_cfg = agent_cfg or AgentConfig()
+    if processor is not None and max_prompt_tokens is not None:
+        _COUNTER = (prompt_counter(processor, agent_cfg), max_prompt_tokens)
+    try:
+        return _export(sources, out, name=name, agent_cfg=agent_cfg, val_sources=val_sources,
+                       strict=strict)
+    finally:
+        _COUNTER = None
+
+
+def _export(sources: Sequence[str | Path], out: str | Path, *, name: str,
+            agent_cfg: AgentConfig, val_sources: Sequence[str | Path],
+            strict: bool) -> dict[str, Any]:
     out = Path(out).resolve()
     if not sources:
         raise DataError("no task folders to export", hint="pass --source DIR (a tasks.jsonl folder)")

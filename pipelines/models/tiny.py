@@ -14,6 +14,14 @@ Sizes
 
 Images are kept cheap in tokens: patches of 14 px merged 2x2, so one token per 28x28 pixels, and
 at most ``max_pixels`` = 50176 (64 tokens) per image unless a recipe asks for more.
+
+Architectures
+-------------
+``qwen2_5_vl`` (default) as above. ``qwen3_vl`` builds a ``Qwen3VLForConditionalGeneration``
+(interleaved mRoPE, DeepStack vision features, patches of 16 px merged 2x2: one token per 32x32
+pixels, so recipes use ``agent.image_factor: 32``) with a ``Qwen3VLProcessor`` and the
+Qwen3-VL-Instruct chat template's rules (no default system message), so the agent protocol,
+the token contexts and the verl agent loop are tested against a Qwen3-VL processor and template.
 """
 
 from __future__ import annotations
@@ -28,6 +36,8 @@ from pipelines.errors import UserError
 from pipelines.fsutil import atomic_dir
 
 Size = Literal["nano", "small"]
+Arch = Literal["qwen2_5_vl", "qwen3_vl"]
+ARCHS: tuple[str, ...] = ("qwen2_5_vl", "qwen3_vl")
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>",
                   "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]
@@ -49,6 +59,25 @@ CHAT_TEMPLATE = (
     "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
     "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+
+
+# Qwen3-VL-Instruct's rules for what we render: no default system message, images and videos as
+# vision-start / pad / vision-end, "<|im_start|>assistant\n" as the generation prompt.
+QWEN3_CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
+    "{{ message['content'] }}{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}"
+    "Picture {{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}"
+    "{% set video_count.value = video_count.value + 1 %}{% if add_vision_id %}"
+    "Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+QWEN3_PATCH = 16
 
 
 @dataclass(frozen=True)
@@ -81,6 +110,7 @@ SPECS: dict[str, TinySpec] = {
 }
 
 IMAGE_MIN_PIXELS = 3136
+IMAGE_MIN_PIXELS_QWEN3 = 4096  # 2 x 2 tokens of 32 x 32 pixels
 IMAGE_MAX_PIXELS = 50176
 VIDEO_MAX_PIXELS = 12544
 
@@ -144,6 +174,52 @@ def build_config(spec: TinySpec, tokenizer):
     )
 
 
+def build_config_qwen3(spec: TinySpec, tokenizer):
+    from transformers import Qwen3VLConfig
+
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    head_dim = spec.hidden // spec.heads
+    assert sum(spec.mrope_section) * 2 == head_dim, "mrope sections must cover head_dim / 2"
+    return Qwen3VLConfig(
+        text_config={
+            "vocab_size": len(tokenizer), "hidden_size": spec.hidden, "head_dim": head_dim,
+            "intermediate_size": spec.intermediate, "num_hidden_layers": spec.layers,
+            "num_attention_heads": spec.heads, "num_key_value_heads": spec.kv_heads,
+            "max_position_embeddings": spec.max_positions,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 5000000.0,
+                                "mrope_section": list(spec.mrope_section),
+                                "mrope_interleaved": True},
+            "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"],
+            "pad_token_id": ids["<|endoftext|>"], "tie_word_embeddings": True,
+        },
+        vision_config={
+            "depth": spec.vision_depth, "hidden_size": spec.vision_hidden,
+            "intermediate_size": spec.vision_intermediate, "num_heads": spec.vision_heads,
+            "out_hidden_size": spec.hidden, "patch_size": QWEN3_PATCH, "spatial_merge_size": 2,
+            "temporal_patch_size": 2, "num_position_embeddings": 256,
+            "deepstack_visual_indexes": [0],
+        },
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=True,
+    )
+
+
+def build_processor_qwen3(tokenizer):
+    from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
+
+    pixels = {"min_pixels": IMAGE_MIN_PIXELS_QWEN3, "max_pixels": IMAGE_MAX_PIXELS}
+    image_processor = Qwen2VLImageProcessor(**pixels, patch_size=QWEN3_PATCH,
+                                            temporal_patch_size=2, merge_size=2,
+                                            image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    video_processor = Qwen3VLVideoProcessor(patch_size=QWEN3_PATCH, temporal_patch_size=2,
+                                            merge_size=2, size={"shortest_edge": 4096,
+                                                                "longest_edge": VIDEO_MAX_PIXELS})
+    tokenizer.chat_template = QWEN3_CHAT_TEMPLATE
+    return Qwen3VLProcessor(image_processor=image_processor, tokenizer=tokenizer,
+                            video_processor=video_processor, chat_template=QWEN3_CHAT_TEMPLATE)
+
+
 def build_processor(tokenizer):
     from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessor
     from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
@@ -170,22 +246,39 @@ PyVision protocol on synthetic tasks.
 
 
 def build_tiny_model(out_dir: str | Path, size: Size = "nano", seed: int = 0,
-                     extra_corpus: Iterable[str] = (), *, force: bool = False) -> Path:
-    """Build a tiny Qwen2.5-VL into ``out_dir`` (atomically); return the path."""
+                     extra_corpus: Iterable[str] = (), *, force: bool = False,
+                     arch: Arch = "qwen2_5_vl", tokenizer_from: str | Path | None = None) -> Path:
+    """Build a tiny Qwen2.5-VL (or, with ``arch="qwen3_vl"``, Qwen3-VL) into ``out_dir``
+    (atomically); return the path. ``tokenizer_from``: reuse the tokenizer of another tiny
+    model instead of training one (seconds instead of minutes; tests pair the two models)."""
     import torch
-    from transformers import GenerationConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers import (
+        GenerationConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen3VLForConditionalGeneration,
+    )
 
     if size not in SPECS:
         raise UserError(f"unknown tiny model size '{size}'", hint="use --size nano or --size small")
+    if arch not in ARCHS:
+        raise UserError(f"unknown tiny model architecture '{arch}'",
+                        hint=f"use one of {', '.join(ARCHS)}")
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()) and not force:
         raise UserError(f"{out} exists and is not empty", hint="pass --force or another folder")
     spec = SPECS[size]
-    tokenizer = train_tokenizer(spec, seed, extra_corpus)
-    config = build_config(spec, tokenizer)
-    processor = build_processor(tokenizer)
+    if tokenizer_from is not None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_from))
+    else:
+        tokenizer = train_tokenizer(spec, seed, extra_corpus)
+    qwen3 = arch == "qwen3_vl"
+    config = (build_config_qwen3 if qwen3 else build_config)(spec, tokenizer)
+    processor = (build_processor_qwen3 if qwen3 else build_processor)(tokenizer)
     torch.manual_seed(seed)
-    model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32).eval()
+    model_class = Qwen3VLForConditionalGeneration if qwen3 else Qwen2_5_VLForConditionalGeneration
+    model = model_class(config).to(torch.float32).eval()
     model.generation_config = GenerationConfig(
         eos_token_id=[config.text_config.eos_token_id, config.text_config.bos_token_id],
         pad_token_id=config.text_config.pad_token_id, do_sample=False)
@@ -193,12 +286,19 @@ def build_tiny_model(out_dir: str | Path, size: Size = "nano", seed: int = 0,
     with atomic_dir(out, overwrite=force) as tmp:
         model.save_pretrained(tmp)
         processor.save_pretrained(tmp)
-        (tmp / "README.md").write_text(MODEL_CARD.format(
+        card = MODEL_CARD.format(
             size=size, seed=seed, params=info["parameters"], vision_params=info["vision_parameters"],
             hidden=spec.hidden, layers=spec.layers, vocab=len(tokenizer),
-            min_pixels=IMAGE_MIN_PIXELS, max_pixels=IMAGE_MAX_PIXELS), encoding="utf-8")
+            min_pixels=IMAGE_MIN_PIXELS, max_pixels=IMAGE_MAX_PIXELS)
+        if qwen3:
+            card = (card.replace("Qwen2.5-VL", "Qwen3-VL").replace(
+                "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration")
+                .replace("Qwen2-VL chat template", "Qwen3-VL-Instruct chat template rules")
+                .replace("one token per 28x28 px", "one token per 32x32 px: agent.image_factor 32"))
+        (tmp / "README.md").write_text(card, encoding="utf-8")
         (tmp / "pyvision_tiny.json").write_text(json.dumps(
-            {"size": size, "seed": seed, **info, "vocab_size": len(tokenizer)}, indent=2) + "\n")
+            {"size": size, "seed": seed, "arch": arch, **info, "vocab_size": len(tokenizer)},
+            indent=2) + "\n")
     return out
 
 

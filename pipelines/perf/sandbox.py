@@ -106,7 +106,8 @@ def run_benchmark(repeats: int = 30, n_concurrent: int = 64,
 
     cfg = config or SandboxConfig()
     agent = AgentConfig()
-    context = {"context_pixels": (agent.image_min_pixels, agent.image_max_pixels)}
+    context = {"context_pixels": (agent.image_min_pixels, agent.image_max_pixels),
+               "context_factor": agent.image_factor}
     rng = np.random.default_rng(0)
     image = Image.fromarray(rng.integers(0, 255, (1024, 1024, 3), dtype=np.uint8))
     big = Image.fromarray(rng.integers(0, 255, (SIZE_8K[1], SIZE_8K[0], 3), dtype=np.uint8))

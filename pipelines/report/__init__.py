@@ -56,6 +56,11 @@ class ReportData:
     trajectories: dict[str, Any] = field(default_factory=dict)
     """Set by ``write_report`` when it wrote the trajectory page: its file name and, per model
     and benchmark, verdict counts (for the HTML report's links into it)."""
+    training: list[dict[str, Any]] = field(default_factory=list)
+    """Per run with RL steps in the store (either engine): RL rollouts over all steps, why they
+    stopped (``stop/<reason>`` weighted by each step's trajectories), the trajectories
+    over-turn masking left out of the loss, and the groups that varied in reward and in
+    accuracy (what the zero-variance filter would keep on either basis)."""
 
     def benchmarks(self) -> list[str]:
         return sorted({r["benchmark"] for r in self.results})
@@ -250,7 +255,45 @@ def collect(store: Any, run_ids: list[str] | None = None) -> ReportData:
     return ReportData(runs=[{k: (str(v) if k == "created_at" else v) for k, v in r.items()}
                             for r in runs], results=results, curves=curves, eval_stats=stats,
                       comparisons=comparisons, scoring=scoring_counts(store, ids),
-                      verdict_changes=changes)
+                      verdict_changes=changes, training=training_stats(curves))
+
+
+def training_stats(curves: dict[str, dict[str, list[tuple[int, float]]]]) -> list[dict[str, Any]]:
+    """``ReportData.training`` from the runs' ``rl/*`` metric curves."""
+    out = []
+    for run, per in sorted(curves.items()):
+        counts = dict(per.get("rl/trajectories", []))
+        if not counts:
+            continue
+        total = sum(counts.values())
+        stops: dict[str, float] = {}
+        for name, points in per.items():
+            if name.startswith("rl/stop/"):
+                n = sum(v * counts.get(step, 0) for step, v in points)
+                if n > 0:
+                    stops[name.removeprefix("rl/stop/")] = n / total
+        sums = {key: sum(v for _, v in per.get(f"rl/{key}", []))
+                for key in ("train/masked_truncated", "strategy/groups_varying_reward",
+                            "strategy/groups_varying_accuracy", "strategy/generated_groups")}
+        out.append({"run": run, "steps": len(counts), "trajectories": int(total),
+                    "stop_rates": dict(sorted(stops.items(), key=lambda kv: -kv[1])),
+                    "masked_truncated": int(sums["train/masked_truncated"]),
+                    "groups": int(sums["strategy/generated_groups"]),
+                    "groups_varying_reward": int(sums["strategy/groups_varying_reward"]),
+                    "groups_varying_accuracy": int(sums["strategy/groups_varying_accuracy"])})
+    return out
+
+
+TRAINING_HEADER = ["run", "RL steps", "rollouts", "why they stopped (share of rollouts)",
+                   "masked (over-turn)", "groups varying: reward / accuracy / all"]
+
+
+def training_rows(data: ReportData) -> list[list[str]]:
+    return [[t["run"], str(t["steps"]), str(t["trajectories"]),
+             ", ".join(f"{k} {100 * v:.1f}%" for k, v in t["stop_rates"].items()),
+             str(t["masked_truncated"]),
+             f"{t['groups_varying_reward']} / {t['groups_varying_accuracy']} / {t['groups']}"]
+            for t in data.training]
 
 
 def verdict_change_counts(store: Any, run_id: str, models_by_bench: dict[str, set[str]]
@@ -391,7 +434,8 @@ def to_json(data: ReportData) -> dict[str, Any]:
             "comparisons": data.comparisons,
             "eval_stats": data.eval_stats,
             "scoring": data.scoring,
-            "verdict_changes": data.verdict_changes}
+            "verdict_changes": data.verdict_changes,
+            "training": data.training}
 
 
 def results_table(data: ReportData) -> tuple[list[str], list[list[str]]]:
@@ -525,6 +569,10 @@ def to_markdown(data: ReportData, images: dict[str, Path] | None = None) -> str:
             lines.append(f"| {s['run']} | {s['model']} | {s['benchmark']} | {s['n']} | "
                          f"{s['visual_tokens_mean']:.0f} | {s['turns_mean']:.2f} | "
                          f"{s['tool_calls_mean']:.2f} | {reasons} |")
+    if data.training:
+        lines += ["", "## RL rollouts: why they stopped", "",
+                  "| " + " | ".join(TRAINING_HEADER) + " |", "|" + "---|" * len(TRAINING_HEADER)]
+        lines += ["| " + " | ".join(r) + " |" for r in training_rows(data)]
     for name, path in (images or {}).items():
         lines += ["", f"![{name}]({path.name})"]
     if data.results:
@@ -636,6 +684,9 @@ def to_html(data: ReportData, images: dict[str, Path] | None = None) -> str:
               f"{s['turns_mean']:.2f}", f"{s['tool_calls_mean']:.2f}",
               ", ".join(f"{k}: {v}" for k, v in s["stop_reasons"].items())]
              for s in data.eval_stats], "stats"))
+    if data.training:
+        parts.append("<h2>RL rollouts: why they stopped</h2>")
+        parts.append(_html_table(TRAINING_HEADER, training_rows(data), "training"))
     if data.results:
         parts.append("<h2>All metrics</h2>")
         parts.append(_html_table(["run", "model", "benchmark", "metric", "value (%)", "n",

@@ -130,7 +130,8 @@ class LocalEngine:
         self.optimizer = torch.optim.AdamW(self.params, lr=rl.learning_rate,
                                            weight_decay=rl.local.weight_decay)
         self.policy = HFPolicy(model, processor, image_min_pixels=recipe.agent.image_min_pixels,
-                               image_max_pixels=recipe.agent.image_max_pixels)
+                               image_max_pixels=recipe.agent.image_max_pixels,
+                               image_factor=recipe.agent.image_factor)
         self.n_draw = math.ceil(rl.strategy.oversample_factor * rl.prompts_per_step)
         tok = processor.tokenizer
         self._vision_pads = sorted({tok.convert_tokens_to_ids(t)
@@ -190,7 +191,7 @@ class LocalEngine:
             batch = [self.items[i] for i in draws]
             trajs = list(run_episodes(batch, self.policy, self.recipe.agent, self.recipe.sandbox,
                                       mode="train", batch_size=max(1, len(batch) * rl.n),
-                                      n_per_item=rl.n))
+                                      n_per_item=rl.n, max_prompt_tokens=rl.max_prompt_tokens))
             members = [sorted((t for t in trajs if t.group_index == j), key=lambda t: t.sample_index)
                        for j in range(len(draws))]
             t0 = time.monotonic()

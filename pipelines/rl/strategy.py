@@ -32,7 +32,21 @@ from dataclasses import dataclass, field
 from pipelines.config.rl import StrategyConfig
 
 BROKEN_STOP_REASONS = {"context_overflow": "context_overflow", "image_limit": "image_limit",
-                       "no_code_nor_answer": "malformed"}
+                       "no_code_nor_answer": "malformed", "prompt_too_long": "prompt_too_long"}
+# Broken rollouts dropped whatever ``filter_broken`` says: they have no tokens to train on.
+ALWAYS_DROPPED = frozenset({"prompt_too_long"})
+
+
+def stop_rates(reasons: Sequence[str | None]) -> dict[str, float]:
+    """``stop/<reason>``: the fraction of trajectories that stopped for each reason, every known
+    reason included (0 when none did), so each is a continuous training curve."""
+    from pipelines.agent.trajectory import STOP_REASONS
+
+    n = max(1, len(reasons))
+    counts = Counter(r or "unknown" for r in reasons)
+    out = {f"stop/{r}": counts.pop(r, 0) / n for r in STOP_REASONS}
+    out.update({f"stop/{r}": c / n for r, c in counts.items()})
+    return out
 
 
 def broken_reason(stop_reason: str | None, final_answer: str | None) -> str | None:
@@ -120,7 +134,7 @@ def select_groups(groups: Sequence[Group], target: int, cfg: StrategyConfig) -> 
             continue
         keep = []
         for i, r in enumerate(g.rollouts):
-            if cfg.filter_broken and r.broken:
+            if r.broken and (cfg.filter_broken or r.broken in ALWAYS_DROPPED):
                 dropped[f"broken:{r.broken}"] += 1
             elif cfg.filter_no_image and not r.produced_image:
                 dropped["no_image"] += 1

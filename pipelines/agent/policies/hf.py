@@ -26,13 +26,14 @@ class HFPolicy:
     name = "hf"
 
     def __init__(self, model: Any, processor: Any, *, image_min_pixels: int = 3136,
-                 image_max_pixels: int = 2_000_000) -> None:
+                 image_max_pixels: int = 2_000_000, image_factor: int = 28) -> None:
         self.model = model
         self.processor = processor
         self.tokenizer = processor.tokenizer
         self.tokens = ChatTokens(processor, image_min_pixels=image_min_pixels,
                                  image_max_pixels=image_max_pixels,
-                                 image_token_id=getattr(model.config, "image_token_id", None))
+                                 image_token_id=getattr(model.config, "image_token_id", None),
+                                 image_factor=image_factor)
         self.min_pixels = image_min_pixels
         self.max_pixels = image_max_pixels
         self.im_end = self.tokens.im_end
@@ -45,7 +46,8 @@ class HFPolicy:
 
     @classmethod
     def from_pretrained(cls, path: str, *, device: str = "auto", dtype: str = "auto",
-                        image_min_pixels: int = 3136, image_max_pixels: int = 2_000_000) -> HFPolicy:
+                        image_min_pixels: int = 3136, image_max_pixels: int = 2_000_000,
+                        image_factor: int = 28) -> HFPolicy:
         import torch
         from transformers import AutoModelForImageTextToText, AutoProcessor
 
@@ -65,7 +67,7 @@ class HFPolicy:
                                  "reachable from here") from None
         model.to(device).eval()
         return cls(model, processor, image_min_pixels=image_min_pixels,
-                   image_max_pixels=image_max_pixels)
+                   image_max_pixels=image_max_pixels, image_factor=image_factor)
 
     # -- episode state (ChatTokens) --------------------------------------------------------------
 

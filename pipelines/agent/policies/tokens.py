@@ -24,6 +24,9 @@ from typing import Any
 from pipelines.agent.policies.base import Finish
 from pipelines.agent.protocol import CODE_STOP
 from pipelines.agent.trajectory import TokenTrace
+from pipelines.errors import UserError
+
+CODE_OPEN = "<code>"
 
 VISION_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 
@@ -59,16 +62,38 @@ class TokenContext:
     grids: list[Any] = field(default_factory=list)         # one [1, 3] tensor per image
 
 
+def check_image_factor(processor: Any, factor: int) -> int:
+    """The processor's merge size squared (pad tokens per visual token); raises a precise error
+    when its patch size x merge size is not ``factor`` (``agent.image_factor``)."""
+    ip = getattr(processor, "image_processor", None)
+    patch = getattr(ip, "patch_size", None)
+    merge = getattr(ip, "merge_size", None)
+    if not patch or not merge:
+        raise UserError(f"the model's image processor ({type(ip).__name__}) has no patch_size / "
+                        "merge_size, so its visual tokens cannot be counted",
+                        hint="use a Qwen2.5-VL or Qwen3-VL checkpoint")
+    if patch * merge != factor:
+        name = type(processor).__name__
+        raise UserError(f"the model's processor ({name}) makes one visual token per "
+                        f"{patch * merge}x{patch * merge} pixels (patch {patch} x merge {merge}) "
+                        f"but agent.image_factor is {factor}",
+                        hint=f"set agent.image_factor={patch * merge} in the recipe "
+                             "(Qwen2.5-VL: 28, Qwen3-VL: 32)")
+    return merge * merge
+
+
 class ChatTokens:
     """Renders, extends and accounts for :class:`TokenContext` s with one processor."""
 
     def __init__(self, processor: Any, *, image_min_pixels: int = 3136,
                  image_max_pixels: int = 2_000_000, image_token_id: int | None = None,
-                 keep_pixels: bool = True) -> None:
+                 keep_pixels: bool = True, image_factor: int = 28) -> None:
         self.processor = processor
         self.tokenizer = processor.tokenizer
         self.min_pixels = image_min_pixels
         self.max_pixels = image_max_pixels
+        self.factor = image_factor
+        self.merge = check_image_factor(processor, image_factor)
         # A server-backed policy never feeds pixels itself; not keeping them saves memory.
         self.keep_pixels = keep_pixels
         tok = self.tokenizer
@@ -93,8 +118,20 @@ class ChatTokens:
         """The resize bounds every consumer of these ids must process images with."""
         return {"min_pixels": self.min_pixels, "max_pixels": self.max_pixels}
 
+    def context_images(self, images: list[Any]) -> list[Any]:
+        """``images`` at their context size (``resize_for_context``; a no-op for images the
+        agent loop already resized)."""
+        from pipelines.agent.prompts import resize_for_context
+
+        return [resize_for_context(img, self.min_pixels, self.max_pixels, self.factor)
+                for img in images]
+
     def encode(self, text: str, images: list[Any]) -> tuple[list[int], list[Any], list[Any]]:
-        """Token ids of ``text`` with each image's pad run expanded; per-image pixels and grids."""
+        """Token ids of ``text`` with each image's pad run expanded; per-image pixels and grids.
+
+        Images must already be at their context size (``context_images``). The processor then
+        has nothing to resize, whether or not it honours ``min_pixels``/``max_pixels``, and the
+        visual tokens it made for each image are checked against that size."""
         kwargs: dict[str, Any] = {}
         if images:
             kwargs.update(images=images, **self.processor_kwargs)
@@ -103,8 +140,19 @@ class ChatTokens:
         pixel_values, grids = [], []
         if images:
             offset = 0
-            for grid in enc["image_grid_thw"]:
+            for img, grid in zip(images, enc["image_grid_thw"], strict=True):
                 n = int(grid.prod())
+                expected = (img.width // self.factor) * (img.height // self.factor)
+                if n // self.merge != expected:
+                    raise UserError(
+                        f"the processor made {n // self.merge} visual tokens for a "
+                        f"{img.width}x{img.height} image at its context size, which has "
+                        f"{expected} ({self.factor}x{self.factor} pixels each): it resized the "
+                        f"image although it was already within min_pixels={self.min_pixels} / "
+                        f"max_pixels={self.max_pixels}",
+                        hint="the model's preprocessor_config.json bounds must contain the "
+                             "recipe's agent.image_min_pixels / image_max_pixels; widen them "
+                             "there or narrow the recipe's")
                 if self.keep_pixels:
                     pixel_values.append(enc["pixel_values"][offset: offset + n])
                 grids.append(grid[None])
@@ -112,8 +160,9 @@ class ChatTokens:
         return ids, pixel_values, grids
 
     def begin(self, messages: list[dict]) -> TokenContext:
-        images = [p["image"] for m in messages if isinstance(m["content"], list)
-                  for p in m["content"] if p.get("type") == "image"]
+        images = self.context_images([p["image"] for m in messages
+                                      if isinstance(m["content"], list)
+                                      for p in m["content"] if p.get("type") == "image"])
         plain = [{"role": m["role"], "content": m["content"] if isinstance(m["content"], str) else
                   [{"type": "image"} if p.get("type") == "image" else p for p in m["content"]]}
                  for m in messages]
@@ -127,6 +176,7 @@ class ChatTokens:
         closing = "\n" if ctx.ids and ctx.ids[-1] == self.im_end else "<|im_end|>\n"
         body = "".join(p["text"] if p.get("type") == "text" else VISION_PLACEHOLDER for p in parts)
         text = f"{closing}<|im_start|>user\n{body}<|im_end|>\n<|im_start|>assistant\n"
+        images = self.context_images(images)
         ids, pix, grids = self.encode(text, images)
         ctx.ids += ids
         ctx.mask += [0] * len(ids)

@@ -143,12 +143,9 @@ class ServerPolicy:
         self.server_fields: dict[str, Any] = {}
 
     def begin(self, messages: list[dict]) -> TokenContext:
+        # A prompt over rollout.prompt_length is the loop's to stop (prompt_too_long): verl pads
+        # prompts to that length and cannot cut a multimodal one.
         ctx = self.tokens.begin(messages)
-        if ctx.prompt_len > self.prompt_limit:
-            # verl pads prompts to rollout.prompt_length and cannot cut a multimodal prompt.
-            raise DataError(f"task {self.task_id}: the prompt has {ctx.prompt_len} tokens, more "
-                            f"than rollout.prompt_length={self.prompt_limit}",
-                            hint="raise rl.max_prompt_tokens or drop over-long tasks from the data")
         # Context reported to the loop = real context + slack, so that reaching
         # agent.max_context_tokens there means: either the real context or the response is full.
         self.slack = max(0, self.max_context_tokens - (ctx.prompt_len + self.response_budget))
@@ -216,17 +213,25 @@ def fit_response(prompt_ids: list[int], response_ids: list[int], mask: list[int]
                  logprobs: list[float] | None, images: list[Any], budget: int,
                  vision_start: int, vision_end: int, image_pad: int
                  ) -> tuple[list[int], list[int], list[float] | None, list[Any]]:
-    """Cut a response to ``budget`` tokens without splitting an image's span, and keep the
-    images whose pad runs remain (image i is the i-th pad run of prompt + response)."""
+    """Cut a response to at most ``budget`` tokens at a turn boundary (where the mask changes:
+    a model turn begins or ends), so no turn is split and no image's
+    ``<|vision_start|>...<|vision_end|>`` span either; keep the images whose pad runs remain
+    (image i is the i-th pad run of prompt + response)."""
     if len(response_ids) <= budget:
         return response_ids, mask, logprobs, images
-    cut = budget
-    start = next((i for i in range(cut - 1, -1, -1) if response_ids[i] == vision_start), None)
-    if start is not None:
-        end = next((i for i in range(start, len(response_ids)) if response_ids[i] == vision_end),
-                   len(response_ids))
-        if end >= cut:
-            cut = start
+    boundaries = [i for i in range(1, len(mask)) if mask[i] != mask[i - 1]]
+    cut = max((b for b in boundaries if b <= budget), default=0)
+    if cut == 0:
+        # No boundary fits (one turn longer than the budget, which the loop's token limits
+        # prevent): cut at the budget, before any image span it would split.
+        cut = budget
+        start = next((i for i in range(cut - 1, -1, -1) if response_ids[i] == vision_start),
+                     None)
+        if start is not None:
+            end = next((i for i in range(start, len(response_ids))
+                        if response_ids[i] == vision_end), len(response_ids))
+            if end >= cut:
+                cut = start
     kept = response_ids[:cut]
     n_images = _pad_runs(prompt_ids + kept, image_pad)
     return kept, mask[:cut], (logprobs[:cut] if logprobs is not None else None), images[:n_images]
@@ -261,7 +266,8 @@ class PyVisionAgentLoop(AgentLoopBase):
         agent = self.recipe.agent
         budget = min(self.recipe.rl.max_response_tokens, self.response_length)
         tokens = ChatTokens(self.processor, image_min_pixels=agent.image_min_pixels,
-                            image_max_pixels=agent.image_max_pixels, keep_pixels=False)
+                            image_max_pixels=agent.image_max_pixels, keep_pixels=False,
+                            image_factor=agent.image_factor)
         full_determinism = bool(self.rollout_config.get("full_determinism", False))
         policy = ServerPolicy(
             tokens, self.server_manager, asyncio.get_running_loop(),
@@ -298,13 +304,16 @@ class PyVisionAgentLoop(AgentLoopBase):
     def _episode(self, task: Task, root: Path, policy: ServerPolicy,
                  sampling: Sampling) -> Trajectory:
         (traj,) = run_episodes([(task, root)], policy, self.recipe.agent, self.recipe.sandbox,
-                               mode="train", batch_size=1, sampling=sampling)
+                               mode="train", batch_size=1, sampling=sampling,
+                               max_prompt_tokens=policy.prompt_limit)
         return traj
 
     def _output(self, traj: Trajectory, policy: ServerPolicy, tokens: ChatTokens,
                 budget: int) -> AgentLoopOutput:
         trace = traj.trace
         assert trace is not None  # ChatTokens always keeps the trace
+        if traj.stop_reason == "prompt_too_long":
+            return self._dropped_prompt(traj, policy, tokens)
         prompt_ids = trace.input_ids[: trace.prompt_len]
         response_ids = trace.input_ids[trace.prompt_len:]
         logprobs = _aligned_logprobs(trace.response_mask, trace.logprobs) \
@@ -345,6 +354,29 @@ class PyVisionAgentLoop(AgentLoopBase):
             multi_modal_data={"images": images} if images else {},
             mm_processor_kwargs=tokens.processor_kwargs if images else None,
             num_turns=1 + traj.num_turns + observations, metrics=metrics, extra_fields=extra)
+
+
+    def _dropped_prompt(self, traj: Trajectory, policy: ServerPolicy,
+                        tokens: ChatTokens) -> AgentLoopOutput:
+        """A stand-in for a trajectory whose prompt does not fit ``rollout.prompt_length``: a
+        short text-only prompt and one environment token (no loss), so verl can pad and batch it;
+        ``stop_reason`` says what happened and the ranking sampler drops it."""
+        text = tokens.processor.apply_chat_template(
+            [{"role": "user", "content": "[prompt too long]"}], add_generation_prompt=True,
+            tokenize=False)
+        # Text only, so cutting it to fit is harmless; nothing is trained on it.
+        prompt_ids = tokens.tokenizer.encode(text, add_special_tokens=False)[-policy.prompt_limit:]
+        extra = {"tool_calls": 0, "successful_calls": 0, "failed_calls": 0, "num_turns": 0,
+                 "assistant_turns": 0, "stop_reason": "prompt_too_long", "final_answer": "",
+                 "answer_chars": 0, "produced_image": False, "well_formed": False,
+                 "context_images": 0, "visual_tokens": traj.visual_tokens,
+                 "response_truncated": False, "masked": True, "prompt_tokens": traj.prompt_tokens,
+                 "prompt_version": traj.prompt_version, "turn_scores": [], "tool_rewards": []}
+        return AgentLoopOutput(
+            prompt_ids=prompt_ids, response_ids=[tokens.im_end], response_mask=[0],
+            response_logprobs=[0.0] if policy.has_logprobs else None, multi_modal_data={},
+            num_turns=1, metrics={"generate_sequences": 0.0, "tool_calls": 0.0},
+            extra_fields=extra)
 
 
 def _aligned_logprobs(mask: list[int], model_logprobs: list[float]) -> list[float]:

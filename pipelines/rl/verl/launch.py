@@ -142,15 +142,31 @@ def _val_sources(recipe: Recipe, sd: StageDir) -> list[str]:
     return list(json.loads(manifest.read_text()).get("outputs", {}).get("heldout", {}).values())
 
 
+def _processor(model: str) -> Any:
+    """The policy's processor when it is a local folder (to count prompt tokens at export), else
+    None: the agent loop still drops an over-long prompt, counted, at rollout time."""
+    if not (Path(model) / "preprocessor_config.json").is_file():
+        from pipelines.console import err
+
+        err.print(f"[yellow]verl export: {model} is not a local model folder with a processor, "
+                  "so prompts are not counted here; the agent loop drops any over "
+                  "rl.max_prompt_tokens (stop reason prompt_too_long)[/]")
+        return None
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(model)
+
+
 def _export(recipe: Recipe, sd: StageDir, paths: VerlPaths, task_dirs: list[Path],
-            resume: bool) -> bool:
+            resume: bool, model: str) -> bool:
     """Export (or, on resume, keep) the parquet files; True when there is a validation file."""
     from pipelines.data.export_verl import export_verl
 
     if resume and paths.train.is_file():
         return paths.val.is_file()
     info = export_verl(task_dirs, paths.data_dir, name=paths.train.stem, agent_cfg=recipe.agent,
-                       val_sources=_val_sources(recipe, sd), strict=recipe.data.strict)
+                       val_sources=_val_sources(recipe, sd), strict=recipe.data.strict,
+                       processor=_processor(model), max_prompt_tokens=recipe.rl.max_prompt_tokens)
     if info["skipped"]:
         from pipelines.console import err
 
@@ -173,7 +189,7 @@ def write_launch_files(recipe: Recipe, sd: StageDir, *, model: str, task_dirs: l
         # loop and the reward named in the launch files read the recipe from there.
         atomic_write_text(paths.recipe, yaml.safe_dump(recipe.model_dump(mode="json"),
                                                        sort_keys=False))
-    has_val = _export(recipe, sd, paths, task_dirs, resume)
+    has_val = _export(recipe, sd, paths, task_dirs, resume, model)
     atomic_write_text(paths.agent_loop, yaml.safe_dump(
         [{"name": AGENT_LOOP_NAME, "_target_": AGENT_LOOP_CLASS, "recipe": str(paths.recipe)}],
         sort_keys=False))

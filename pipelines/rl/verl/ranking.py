@@ -66,7 +66,14 @@ from typing import Any
 from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
 
 from pipelines.config.rl import StrategyConfig
-from pipelines.rl.strategy import Group, Rollout, Selection, broken_reason, select_groups
+from pipelines.rl.strategy import (
+    Group,
+    Rollout,
+    Selection,
+    broken_reason,
+    select_groups,
+    stop_rates,
+)
 
 STRATEGY_KEYS = tuple(StrategyConfig.model_fields)  # the sampler_kwargs the launcher sets from it
 
@@ -190,8 +197,7 @@ def rollout_metrics(groups: list[GroupData]) -> dict[str, float]:
          "turns/mean": mean([float(s.extra.get("assistant_turns", s.extra.get("num_turns")) or 0)
                              for s in sessions]),
          "trajectories": float(len(sessions))}
-    for reason, count in Counter(s.extra.get("stop_reason") or "unknown" for s in sessions).items():
-        m[f"stop/{reason}"] = count / n
+    m.update(stop_rates([s.extra.get("stop_reason") or "unknown" for s in sessions]))
     return m
 
 
