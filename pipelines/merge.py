@@ -2,8 +2,13 @@
 
 - A LoRA adapter (SFT with ``finetuning_type: lora``) is merged by LLaMA-Factory's own export:
   :mod:`pipelines.sft.lora`.
+  An adapter of LoRA RL (the local engine's ``rl/adapter``, marked by ``pyvision_lora.json``)
+  is merged there with peft instead (:func:`pipelines.core.modeldir.merge_peft`).
 - A verl FSDP actor checkpoint (``<ckpt>/global_step_N/actor``) is merged by verl's own
-  ``python -m verl.model_merger merge --backend fsdp``.
+  ``python -m verl.model_merger merge --backend fsdp``. With ``rl.lora`` verl's merger writes
+  the base weights and the adapter (``lora_adapter/``) separately; the adapter is then merged
+  into them with peft, so the result is one plain model either way (the adapter is kept beside
+  it, in ``lora_adapter/``).
 
 Either way the result is written to a temporary folder and renamed into place only after it has
 been checked: config, processor and weights present, the weight names and shapes matching what the
@@ -18,7 +23,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from pipelines.core.modeldir import flatten_into, refuse_existing, verify_model_dir
+from pipelines.core.modeldir import flatten_into, merge_peft, refuse_existing, verify_model_dir
 from pipelines.errors import SubprocessFailed, UserError
 from pipelines.fsutil import atomic_dir
 from pipelines.sft import llamafactory as lf
@@ -48,6 +53,12 @@ def merge_verl(checkpoint: str | Path, out: str | Path, *, python: str = "python
             shutil.copy(log_path, kept)
             raise SubprocessFailed(f"verl.model_merger exited with code {proc.returncode} on {actor}; "
                                    f"log: {kept}", hint="check that the checkpoint is complete")
+        if (tmp / "model" / "lora_adapter" / "adapter_config.json").is_file():
+            # LoRA RL: verl's merger saved the base weights and the adapter apart.
+            shutil.move(str(tmp / "model" / "lora_adapter"), str(tmp / "lora_adapter"))
+            merge_peft(tmp / "lora_adapter", tmp / "model", tmp / "merged")
+            shutil.rmtree(tmp / "model")
+            (tmp / "merged").rename(tmp / "model")
         info = verify_model_dir(tmp / "model")
         flatten_into(tmp, "model")
         info["path"] = str(out)

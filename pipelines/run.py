@@ -5,7 +5,8 @@ is skipped (``--force`` redoes the stages in the selected range); ``--from`` / `
 range. An interrupted SFT or RL stage continues from its last checkpoint when run again.
 
 - ``merge`` settles the final model: the RL model (a verl checkpoint is merged with verl's
-  merger; the local engine already writes a Hugging Face model).
+  merger, its LoRA adapter too when it has one; the local engine writes a Hugging Face model, or
+  with ``rl.lora`` an adapter that is merged into its base here).
 - ``eval`` evaluates the base, SFT and RL models (tags ``base``, ``sft``, ``rl``) on the recipe's
   benchmarks; the synthetic held-out sets come from the data stage.
 - ``report`` writes the report for this run into ``runs/<run-id>/report``.
@@ -62,6 +63,10 @@ def _stage_merge(recipe: Recipe, sd: StageDir, show: bool) -> dict[str, Any]:
         info = merge_verl(rl["checkpoints"], sd.path / "model", python=recipe.rl.verl.python,
                           force=True)
         final = info["path"]
+    elif "adapter" in rl:
+        from pipelines.sft.lora import merge_lora
+
+        final = merge_lora(rl["adapter"], rl["base_model"], sd.path / "model", force=True)["path"]
     else:
         if "model" not in rl:
             raise UserError(f"run '{sd.run_id}' has no RL model to merge",

@@ -16,7 +16,7 @@ app = make_app("Merge a LoRA adapter or a verl checkpoint into a Hugging Face mo
 @command(app)
 def merge(
     out: Annotated[Path, typer.Option("--out", help="Folder for the merged model.")],
-    engine: Annotated[Literal["lora", "verl"], typer.Option(help="`lora`: LoRA adapter via LLaMA-Factory; "
+    engine: Annotated[Literal["lora", "verl"], typer.Option(help="`lora`: LoRA adapter (SFT's via LLaMA-Factory, LoRA RL's via peft); "
                                               "`verl`: verl FSDP checkpoint via verl.model_merger.")] = "lora",
     lora: Annotated[Path | None, typer.Option(help="LoRA adapter folder (engine lora).")] = None,
     base: Annotated[str | None, typer.Option(help="Base model path or hub id (engine lora).")] = None,

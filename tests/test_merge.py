@@ -106,3 +106,40 @@ def test_lora_train_then_merge_round_trip(tiny_model_dir, tmp_path):
         plain = AutoModelForImageTextToText.from_pretrained(tiny_model_dir)(input_ids=ids).logits
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
     assert not torch.allclose(got, plain, atol=1e-4), "the adapter changed nothing"
+
+
+def test_merge_verl_lora_checkpoint_merges_the_adapter(tiny_model_dir, tmp_path):
+    """With rl.lora verl's FSDP state dict holds peft's base and adapter weights; verl's merger
+    writes the adapter apart (``lora_adapter/``) and the merge folds it into the base."""
+    from transformers import AutoModelForImageTextToText
+
+    from pipelines.rl.local import attach_lora, load_policy_model
+
+    recipe = load_recipe(None, ("rl.lora.rank=4", "rl.lora.alpha=8"))
+    model, _ = load_policy_model(recipe, str(tiny_model_dir))
+    peft_model = attach_lora(model, recipe.rl.lora)
+    with torch.no_grad():
+        for n, p in peft_model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.5)  # a trained adapter
+    actor = tmp_path / "ckpts" / "global_step_2" / "actor"
+    (actor / "huggingface").mkdir(parents=True)
+    torch.save(peft_model.state_dict(), actor / "model_world_size_1_rank_0.pt")
+    (actor / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 2, "world_size": 1}))
+    # What verl's FSDP checkpoint manager writes beside a LoRA actor.
+    (actor / "lora_train_meta.json").write_text(json.dumps({"r": 4, "lora_alpha": 8}))
+    for f in tiny_model_dir.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, actor / "huggingface" / f.name)
+    name = "model.language_model.layers.0.self_attn.q_proj"
+    layer = peft_model.get_submodule(f"base_model.model.{name}")
+    want = layer.base_layer.weight + 2.0 * layer.lora_B.default.weight @ layer.lora_A.default.weight
+    base = layer.base_layer.weight.detach().clone()
+
+    out = tmp_path / "merged"
+    info = merge_verl(tmp_path / "ckpts", out)
+    assert info["full_load"] and (out / "lora_adapter" / "adapter_config.json").is_file()
+    merged = AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32)
+    got = merged.get_submodule(name).weight
+    torch.testing.assert_close(got, want.detach(), rtol=2e-2, atol=2e-2)
+    assert (got - base).abs().max() > 0.1  # the adapter is in, not dropped

@@ -432,3 +432,51 @@ def test_local_engine_trains_on_cuda_in_bf16(tiny_model_dir, rl_tasks, tmp_path,
     assert any(m["grad_norm"] > 0 for m in steps.values())
     before, after = weights(tiny_model_dir), weights(sd.path / "model")
     assert any(not torch.equal(before[k].float(), after[k].float()) for k in before)
+
+
+def test_lora_rl_trains_resumes_and_merges(tiny_model_dir, rl_tasks, tmp_path, monkeypatch):
+    """rl.lora: the run writes an adapter (no full model), a resumed run continues from the
+    checkpointed adapter exactly, and the merge stage's merge folds it into the base."""
+    from safetensors.torch import load_file
+
+    from pipelines.core.modeldir import LORA_MARKER
+    from pipelines.rl import local
+    from pipelines.sft.lora import merge_lora
+
+    monkeypatch.setattr(LocalEngine, "rewards", token_reward)
+    recipe = load_recipe(None, ENGINE + ["rl.local.steps=2", "rl.local.save_every=1",
+                                         "rl.lora.rank=4", "rl.lora.alpha=8",
+                                         "rl.learning_rate=1e-2"])
+    sd, _, summary = run_rl(recipe, tmp_path / "a", "lora", tiny_model_dir, rl_tasks)
+    outputs = json.loads(sd.manifest_path.read_text())["outputs"]
+    adapter = sd.path / "adapter"
+    assert (adapter / LORA_MARKER).is_file() and not (sd.path / "model").exists()
+    assert summary["lora_trainable_params"] > 0
+    assert outputs["adapter"] == str(adapter) and "model" not in outputs
+    straight = load_file(str(adapter / "adapter_model.safetensors"))
+    assert any(k.endswith("lora_B.weight") and v.abs().max() > 0 for k, v in straight.items())
+    assert not any("visual" in k for k in straight)
+
+    real_save = local.save_checkpoint
+
+    def save_then_die(root, step, *args, **kwargs):
+        path = real_save(root, step, *args, **kwargs)
+        if step == 1:
+            raise KeyboardInterrupt
+        return path
+
+    monkeypatch.setattr(local, "save_checkpoint", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        run_rl(recipe, tmp_path / "b", "lora", tiny_model_dir, rl_tasks)
+    monkeypatch.setattr(local, "save_checkpoint", real_save)
+    sd_b, _, summary_b = run_rl(recipe, tmp_path / "b", "lora", tiny_model_dir, rl_tasks,
+                                resume=True)
+    assert summary_b["resumed_from"] == 1
+    resumed = load_file(str(sd_b.path / "adapter" / "adapter_model.safetensors"))
+    assert set(resumed) == set(straight)
+    assert all(torch.allclose(straight[k], resumed[k], atol=1e-6) for k in straight)
+
+    info = merge_lora(adapter, tiny_model_dir, tmp_path / "merged")
+    merged, base = weights(tmp_path / "merged"), weights(tiny_model_dir)
+    assert info["full_load"] and set(merged) == set(base)
+    assert any(not torch.equal(merged[k], base[k]) for k in base)

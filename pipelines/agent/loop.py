@@ -71,7 +71,8 @@ def run_episodes(items: Iterable[tuple[Task, Path]], policy: Policy, agent_cfg: 
     max_turns = agent_cfg.max_turns_train if mode == "train" else agent_cfg.max_turns_eval
     if sampling is None:
         temperature = agent_cfg.temperature if mode == "train" else agent_cfg.eval_temperature
-        sampling = Sampling(agent_cfg.max_new_tokens_per_turn, temperature, agent_cfg.top_p)
+        sampling = Sampling(agent_cfg.max_new_tokens_per_turn, temperature, agent_cfg.top_p,
+                            agent_cfg.code_temperature if mode == "train" else None)
     queue: deque[tuple[int, int, Task, Path]] = deque(
         (i, s, task, Path(root)) for i, (task, root) in enumerate(items) for s in range(n_per_item))
     active: list[Episode] = []

@@ -49,6 +49,9 @@ class TokenTrace:
     response_mask: list[int]   # over input_ids[prompt_len:]; 1 exactly on model tokens
     logprobs: list[float]      # one per model token (sampling-time log-probs)
     images: list[Any]          # PIL images in context order, as resized for the model
+    # One per model token when tokens were sampled at different temperatures
+    # (`agent.code_temperature`); empty: every token at the rollout temperature.
+    temperatures: list[float] = field(default_factory=list)
 
 
 @dataclass

@@ -31,6 +31,13 @@ class AgentConfig(Section):
     temperature: float = Field(1.0, ge=0.0, le=5.0)
     """Sampling temperature for rollouts (0 means greedy)."""
 
+    code_temperature: float | None = Field(None, ge=0.0, le=5.0)
+    """Sampling temperature for the tokens inside a `<code>` block in rollouts (Thyme's idea: a
+    lower one keeps code runnable while the reasoning around it still explores); None: the same
+    as `temperature`. Local engine only (it samples and trains each token at its own
+    temperature); the verl engine refuses it at compose time, saying why
+    (``pipelines.rl.verl.overrides.CODE_TEMPERATURE_UNSUPPORTED``)."""
+
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     """Nucleus sampling threshold for rollouts."""
 

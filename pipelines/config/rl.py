@@ -18,6 +18,12 @@ class StrategyConfig(Section):
     filter_zero_variance: bool = True
     """Drop groups whose rewards are all equal (they carry no GRPO signal)."""
 
+    zero_variance_basis: Literal["reward", "accuracy"] = "reward"
+    """What the zero-variance filter compares: `reward` (the shaped reward GRPO trains on, so
+    a group that differs only in tool or format terms is kept) or `accuracy` (whether each
+    answer was right, so such a group is dropped). Either way the step also logs how many groups
+    each basis would keep (`strategy/groups_varying_reward`, `strategy/groups_varying_accuracy`)."""
+
     filter_broken: bool = True
     """Drop trajectories that ended in context overflow, the image limit, or malformed output."""
 
@@ -122,6 +128,28 @@ class VerlEngineConfig(Section):
     """Hydra overrides appended verbatim (`key=value`), for settings not modelled here."""
 
 
+class LoraRLConfig(Section):
+    """LoRA adapters for RL on one GPU (`rank: 0` trains every weight)."""
+
+    rank: int = Field(0, ge=0, le=1024)
+    """Adapter rank; 0 switches LoRA off."""
+
+    alpha: int = Field(16, ge=1, le=4096)
+    """LoRA scaling numerator (the update is scaled by alpha / rank)."""
+
+    dropout: float = Field(0.0, ge=0.0, le=0.9)
+    """Dropout on the adapter's input (local engine; verl's FSDP LoRA has none)."""
+
+    target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                 "down_proj"]
+    """Linear layers of the language model that get adapters (module name suffixes); the vision
+    tower never does."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
 class RLConfig(Section):
     """RL stage settings shared by both engines."""
 
@@ -148,6 +176,16 @@ class RLConfig(Section):
 
     freeze_vision_tower: bool = True
     """Keep the ViT frozen (paper default)."""
+
+    mask_truncated: bool = False
+    """Over-turn masking (Mini-o3): trajectories stopped by the turn limit or the context /
+    response limit contribute no loss (their tokens are masked), so the policy is not pushed to
+    answer early just because long explorations were cut; they still count in their group's
+    mean reward."""
+
+    lora: LoraRLConfig = LoraRLConfig()
+    """LoRA RL: the local engine trains peft adapters (merged into the final model by the merge
+    stage, or `pyvision merge --lora`); verl gets its FSDP LoRA settings."""
 
     strategy: StrategyConfig = StrategyConfig()
     """Oversample, filter, rank."""

@@ -111,3 +111,30 @@ def flatten_into(tmp: Path, sub: str) -> None:
         shutil.move(str(item), str(tmp / item.name))
     (tmp / sub).rmdir()
     (tmp / "merge_info.json").write_text(json.dumps({"merged_by": "pyvision merge"}) + "\n")
+
+
+# Marks a peft LoRA adapter written by LoRA RL (the local engine's ``rl/adapter``): what it was
+# trained on, so that the merge knows its base.
+LORA_MARKER = "pyvision_lora.json"
+
+
+def merge_peft(adapter: str | Path, base: str | Path, out: Path) -> Path:
+    """``base`` with the peft LoRA ``adapter`` merged in, saved (with a processor) into ``out``."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    adapter = Path(adapter)
+    model = AutoModelForImageTextToText.from_pretrained(
+        str(base), dtype=torch.float32 if _small(base) else "auto")
+    merged = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
+    merged.save_pretrained(out)
+    source = adapter if (adapter / "preprocessor_config.json").is_file() else base
+    AutoProcessor.from_pretrained(str(source)).save_pretrained(out)
+    return out
+
+
+def _small(path: str | Path) -> bool:
+    """Whether a local model's weights are small enough to merge in float32."""
+    files = list(Path(path).glob("*.safetensors")) if Path(path).is_dir() else []
+    return bool(files) and sum(f.stat().st_size for f in files) < 4 * FULL_LOAD_MAX_PARAMS

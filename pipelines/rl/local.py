@@ -22,10 +22,11 @@ Each step:
 
 Step metrics (names as stored): ``reward/mean|std|accuracy|tool|format``, ``reward/judged``,
 ``reward/judge_fallbacks``, ``accuracy``, ``tool_calls/mean``, ``successful_calls/mean``,
-``turns/mean``, ``response_length/mean`` (model tokens per trajectory), ``stop/<reason>``,
-``strategy/*`` (kept and dropped groups by reason), ``entropy``, ``grad_norm``, ``train/*``
-(loss, clip fraction, KL, ...), ``time/rollout_s`` = ``time/generation_s`` + ``time/tools_s`` +
-``time/reward_s``, and ``time/train_s``.
+``turns/mean``, ``response_length/mean`` (model tokens per trajectory), ``stop/<reason>`` (every
+stop reason, 0 when none stopped so), ``strategy/*`` (kept and dropped groups by reason, groups
+varying in reward and in accuracy), ``entropy``, ``grad_norm``, ``train/*`` (loss, clip fraction,
+KL, trajectories masked by ``rl.mask_truncated``, ...), ``time/rollout_s`` =
+``time/generation_s`` + ``time/tools_s`` + ``time/reward_s``, and ``time/train_s``.
 """
 
 from __future__ import annotations
@@ -41,14 +42,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipelines.agent.trajectory import TRUNCATED_STOPS
 from pipelines.config.recipe import Recipe
 from pipelines.console import err
 from pipelines.core.checkpoints import list_checkpoints, load_checkpoint, save_checkpoint
+from pipelines.core.modeldir import LORA_MARKER
 from pipelines.core.records import Task, read_tasks
 from pipelines.errors import UserError
 from pipelines.rl.local_utils import TaskSampler, TokenSequence, sequence_logprobs
 from pipelines.rl.rollouts import RLObserver
-from pipelines.rl.strategy import Group, Rollout, Selection, Selector, broken_reason
+from pipelines.rl.strategy import Group, Rollout, Selection, Selector, broken_reason, stop_rates
 from pipelines.rundir import StageDir
 from pipelines.scoring.reward import RewardBreakdown, compute_reward
 
@@ -100,6 +103,48 @@ def load_policy_model(recipe: Recipe, model_path: str) -> tuple[Any, Any]:
     return model, processor
 
 
+def lora_target_regex(targets: list[str]) -> str:
+    """peft's ``target_modules`` as a regex: the named linear layers of the language model,
+    never the vision tower's (whose MLPs use the same names)."""
+    names = "|".join(sorted({t.strip(".") for t in targets}))
+    return rf"^(?!.*\bvisual\b).*\.(?:{names})$"
+
+
+def attach_lora(model: Any, cfg: Any, adapter: str | Path | None = None) -> Any:
+    """Wrap ``model`` with trainable LoRA adapters (fresh, or loaded from ``adapter``); the
+    adapters are injected into ``model``'s own modules, so ``model`` itself runs with them.
+    Returns the peft model (what saves and loads adapters)."""
+    try:
+        from peft import LoraConfig, PeftModel, get_peft_model
+    except ImportError:
+        raise UserError("rl.lora needs the peft package, which is not installed",
+                        hint="pip install peft (it comes with the project's constraints)") from None
+    if adapter is not None:
+        return PeftModel.from_pretrained(model, str(adapter), is_trainable=True)
+    config = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
+                        target_modules=lora_target_regex(cfg.target_modules), bias="none")
+    peft_model = get_peft_model(model, config)
+    if not any(p.requires_grad for p in peft_model.parameters()):
+        raise UserError(f"rl.lora.target_modules {cfg.target_modules} matched no linear layer "
+                        "of the language model", hint="use names such as q_proj, v_proj")
+    return peft_model
+
+
+def save_adapter(peft_model: Any, processor: Any, out: Path, base_model: str, cfg: Any) -> None:
+    """The adapter, the processor and a marker saying what to merge it into
+    (``pipelines.sft.lora.merge_lora`` merges such folders with peft)."""
+    import json
+
+    from pipelines.fsutil import atomic_dir
+
+    with atomic_dir(out, overwrite=True) as tmp:
+        peft_model.save_pretrained(tmp)
+        processor.save_pretrained(tmp)
+        (tmp / LORA_MARKER).write_text(json.dumps(
+            {"engine": "local", "base_model": base_model, "rank": cfg.rank, "alpha": cfg.alpha,
+             "target_modules": list(cfg.target_modules)}, indent=2) + "\n")
+
+
 @dataclass
 class RolloutBatch:
     """One step's rollouts: every generated trajectory, its reward, and what the strategy kept."""
@@ -111,6 +156,7 @@ class RolloutBatch:
     rollout_s: float     # wall time of the whole phase
     generation_s: float  # wall time inside the model's generate calls
     reward_s: float      # wall time computing rewards (judge requests included)
+    masked: int = 0      # kept trajectories left out of the loss by rl.mask_truncated
 
 
 class LocalEngine:
@@ -208,7 +254,7 @@ class LocalEngine:
                 round_groups.append(Group(prompt_index=key, task_id=self.items[draw][0].id,
                                           rollouts=[Rollout(r.total, broken_reason(t.stop_reason,
                                                                                    t.final_answer),
-                                                            t.produced_image)
+                                                            t.produced_image, float(r.correct))
                                                     for t, r in zip(ms, rs)]))
             selector.add(round_groups)
         return RolloutBatch(trajectories, rewards, groups, selector.select(),
@@ -217,13 +263,22 @@ class LocalEngine:
                             reward_s=reward_s)
 
     def training_batch(self, batch: RolloutBatch) -> tuple[list[TokenSequence], list[float], list[int]]:
-        """The kept trajectories as token sequences, with their group advantages and group keys."""
+        """The kept trajectories as token sequences, with their group advantages and group keys.
+
+        With ``rl.mask_truncated``, trajectories stopped by the turn or context limit are left
+        out (all their tokens masked: no loss); their rewards still set their group's mean."""
         seqs, advs, group_of = [], [], []
+        batch.masked = 0
         for g, keep in batch.selection.kept:
             adv = g.advantages(self.recipe.rl.algorithm.norm_adv_by_std)
             for i in keep:
-                tr = batch.groups[g.prompt_index][i].trace
-                seqs.append(TokenSequence(tr.input_ids, tr.response_mask, tr.prompt_len, tr.images))
+                traj = batch.groups[g.prompt_index][i]
+                if self.recipe.rl.mask_truncated and traj.stop_reason in TRUNCATED_STOPS:
+                    batch.masked += 1
+                    continue
+                tr = traj.trace
+                seqs.append(TokenSequence(tr.input_ids, tr.response_mask, tr.prompt_len, tr.images,
+                                          tr.temperatures))
                 advs.append(adv[i])
                 group_of.append(g.prompt_index)
         return seqs, advs, group_of
@@ -334,13 +389,16 @@ def train_local(recipe: Recipe, sd: StageDir, *, model_path: str, task_dirs: lis
         err.print("[yellow]--resume: no checkpoint found; starting from step 0[/]")
     # A checkpoint is a complete Hugging Face model: load it through transformers, which maps the
     # saved tensor names onto the module (they differ from state_dict() names in transformers 5).
-    model, processor = load_policy_model(recipe, str(latest or model_path))
-    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    # With LoRA a checkpoint holds the adapter: the weights always come from the base.
+    model, processor = load_policy_model(recipe, str(model_path if rl.lora.enabled
+                                                     else latest or model_path))
     ref_model = None
     if rl.algorithm.kl_coef > 0:
         # The KL reference is the starting policy, not the checkpoint being resumed.
         ref_model = (load_policy_model(recipe, model_path)[0] if latest is not None
-                     else copy.deepcopy(model)).eval().requires_grad_(False)
+                     and not rl.lora.enabled else copy.deepcopy(model)).eval().requires_grad_(False)
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    peft_model = attach_lora(model, rl.lora, latest) if rl.lora.enabled else None
     judge = None
     if recipe.reward.judge.base_url:
         from pipelines.scoring.judge import Judge
@@ -375,17 +433,24 @@ def train_local(recipe: Recipe, sd: StageDir, *, model_path: str, task_dirs: lis
             table.add(step, metrics)
             observer.step(step, batch, metrics)
             if (step + 1) % local.save_every == 0 or step + 1 == local.steps:
-                save_checkpoint(ckpt_root, step + 1, model, processor, engine.optimizer,
-                                engine.sampler, extra={"history": history}, keep=2)
+                save_checkpoint(ckpt_root, step + 1, peft_model or model, processor,
+                                engine.optimizer, engine.sampler, extra={"history": history},
+                                keep=2)
     finally:
         table.close()
         observer.close()
-    final = sd.path / "model"
-    from pipelines.fsutil import atomic_dir
+    if peft_model is not None:
+        # The merge stage (or `pyvision merge --lora`) merges it into the base.
+        save_adapter(peft_model, processor, sd.path / "adapter", model_path, rl.lora)
+        outputs = {"adapter": str(sd.path / "adapter")}
+    else:
+        final = sd.path / "model"
+        from pipelines.fsutil import atomic_dir
 
-    with atomic_dir(final, overwrite=True) as tmp:
-        model.save_pretrained(tmp)
-        processor.save_pretrained(tmp)
+        with atomic_dir(final, overwrite=True) as tmp:
+            model.save_pretrained(tmp)
+            processor.save_pretrained(tmp)
+        outputs = {"model": str(final)}
     first, last = (history[0], history[-1]) if history else ({}, {})
     summary = {"steps": local.steps, "resumed_from": start_step, "frozen_vision_params": frozen,
                "first_reward": first.get("reward/mean"), "last_reward": last.get("reward/mean"),
@@ -394,8 +459,10 @@ def train_local(recipe: Recipe, sd: StageDir, *, model_path: str, task_dirs: lis
                "last_tool_calls": last.get("tool_calls/mean")}
     if judge is not None:
         summary.update({f"judge_{k}": v for k, v in judge.stats().items()})
-    sd.finish({"model": str(final), "checkpoints": str(ckpt_root), "base_model": model_path},
-              summary)
+    if peft_model is not None:
+        summary["lora_trainable_params"] = sum(p.numel() for p in peft_model.parameters()
+                                               if p.requires_grad)
+    sd.finish({**outputs, "checkpoints": str(ckpt_root), "base_model": model_path}, summary)
     return summary
 
 
@@ -424,8 +491,8 @@ def step_metrics(batch: RolloutBatch, train_metrics: dict[str, float],
         "time/reward_s": batch.reward_s,
         "time/train_s": train_s,
     }
-    for reason, count in Counter(t.stop_reason for t in trajs).items():
-        m[f"stop/{reason}"] = count / n
+    m.update(stop_rates([t.stop_reason for t in trajs]))
+    m["train/masked_truncated"] = float(batch.masked)
     m.update(batch.selection.metrics())
     m.update(train_metrics)
     return m

@@ -7,7 +7,10 @@ Per training step the engine generates more groups than it trains on (``oversamp
    rollouts before any filtering (as the original does), so a surviving rollout keeps the
    advantage it earned against its whole group.
 2. **Filter.** Groups whose rewards all agree carry no GRPO signal and are dropped
-   (``zero_variance``). Broken rollouts (``context_overflow``, ``image_limit``, ``malformed``)
+   (``zero_variance``); ``zero_variance_basis: accuracy`` compares whether each answer was right
+   instead, so a group that differs only in tool or format terms is dropped too. Every selection
+   counts the groups each basis would keep (``groups_varying_reward`` /
+   ``groups_varying_accuracy``), whichever decides. Broken rollouts (``context_overflow``, ``image_limit``, ``malformed``)
    are dropped one by one (``broken:<reason>``), and optionally rollouts that never produced an
    image (``no_image``). A group left with no rollout is dropped (``empty``); one left with a single
    rollout is kept, because its advantage was set against the whole group and still says
@@ -67,6 +70,7 @@ class Rollout:
     reward: float
     broken: str | None = None
     produced_image: bool = True
+    correct: float | None = None  # accuracy term (None: unknown, the reward stands in)
 
 
 @dataclass
@@ -78,6 +82,12 @@ class Group:
     @property
     def rewards(self) -> list[float]:
         return [r.reward for r in self.rollouts]
+
+    def varies(self, basis: str) -> bool:
+        """Whether the group's rollouts differ in ``basis`` (``reward`` or ``accuracy``)."""
+        values = [r.reward if basis == "reward" or r.correct is None else r.correct
+                  for r in self.rollouts]
+        return len(self.rollouts) > 1 and max(values) != min(values)
 
     @property
     def mean(self) -> float:
@@ -105,6 +115,7 @@ class Selection:
     kept: list[tuple[Group, list[int]]]
     dropped: Counter = field(default_factory=Counter)
     generated_groups: int = 0
+    varying: dict[str, int] = field(default_factory=dict)  # basis -> groups that vary in it
 
     @property
     def trajectories(self) -> int:
@@ -118,6 +129,8 @@ class Selection:
                                           if self.kept else 0.0)}
         for reason in ("zero_variance", "empty", "rank_cut", "no_image"):
             out[f"{prefix}dropped_{reason}"] = float(self.dropped.get(reason, 0))
+        for basis, count in self.varying.items():
+            out[f"{prefix}groups_varying_{basis}"] = float(count)
         for reason, count in self.dropped.items():
             if reason.startswith("broken:"):
                 out[f"{prefix}dropped_{reason.replace(':', '_')}"] = float(count)
@@ -129,7 +142,7 @@ def select_groups(groups: Sequence[Group], target: int, cfg: StrategyConfig) -> 
     dropped: Counter = Counter()
     candidates: list[tuple[Group, list[int]]] = []
     for g in groups:
-        if cfg.filter_zero_variance and g.std == 0.0:
+        if cfg.filter_zero_variance and not g.varies(cfg.zero_variance_basis):
             dropped["zero_variance"] += 1
             continue
         keep = []
@@ -149,7 +162,8 @@ def select_groups(groups: Sequence[Group], target: int, cfg: StrategyConfig) -> 
     kept = candidates[:target]
     if len(candidates) > target:
         dropped["rank_cut"] += len(candidates) - target
-    return Selection(kept=kept, dropped=dropped, generated_groups=len(groups))
+    varying = {basis: sum(1 for g in groups if g.varies(basis)) for basis in ("reward", "accuracy")}
+    return Selection(kept=kept, dropped=dropped, generated_groups=len(groups), varying=varying)
 
 
 class Selector:

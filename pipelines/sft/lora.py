@@ -2,6 +2,8 @@
 
 The export is rendered as a YAML kept beside the output (``llamafactory-cli export``); the result
 is checked (:func:`pipelines.core.modeldir.verify_model_dir`) before it is moved into place.
+An adapter of LoRA RL (marked by :data:`pipelines.core.modeldir.LORA_MARKER`) was made by peft
+with the processor saved beside it, and is merged with peft in this process instead.
 """
 
 from __future__ import annotations
@@ -11,7 +13,13 @@ from typing import Any
 
 import yaml
 
-from pipelines.core.modeldir import flatten_into, refuse_existing, verify_model_dir
+from pipelines.core.modeldir import (
+    LORA_MARKER,
+    flatten_into,
+    merge_peft,
+    refuse_existing,
+    verify_model_dir,
+)
 from pipelines.errors import UserError
 from pipelines.fsutil import atomic_dir, atomic_write_text
 from pipelines.sft import llamafactory as lf
@@ -28,6 +36,13 @@ def merge_lora(adapter: str | Path, base: str | Path, out: str | Path, *, python
         raise UserError(f"base model not found: {base}", hint="pass a local model folder or a "
                         "hub id such as Qwen/Qwen2.5-VL-7B-Instruct")
     refuse_existing(out, force)
+    if (adapter / LORA_MARKER).is_file():
+        with atomic_dir(out, overwrite=force) as tmp:
+            merge_peft(adapter, base, tmp / "model")
+            info = verify_model_dir(tmp / "model")
+            flatten_into(tmp, "model")
+            info["path"] = str(out)
+        return info
     with atomic_dir(out, overwrite=force) as tmp:
         export = {
             "model_name_or_path": str(base),

@@ -15,6 +15,9 @@ class Sampling:
     max_new_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
+    # Temperature of the tokens inside a ``<code>`` block (None: ``temperature``); only
+    # token-level in-process policies honour it (``decode.py``).
+    code_temperature: float | None = None
 
 
 @dataclass

@@ -19,6 +19,12 @@ temperature / top-p sampling from the global torch RNG (so a seeded run repeats)
 tokens, optional logits processors. The log-prob recorded for each token is that of the
 distribution it was sampled from before any processor or top-p cut (``softmax(logits / T)``,
 or ``T = 1`` when greedy): what the trainer recomputes.
+
+A second temperature can apply inside code (``code_temperature``, Thyme's idea): a row samples at
+``code_temperature`` from the token after its turn has opened a ``<code>`` block (``opens_code``
+says so) until the turn ends, and at ``temperature`` before. Each token's temperature is
+recorded (``Row.temperatures``) so that the trainer recomputes every log-prob under the
+distribution that token was sampled from.
 """
 
 from __future__ import annotations
@@ -34,7 +40,9 @@ class Row:
 
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    temperatures: list[float] = field(default_factory=list)  # what each token was sampled at
     done: bool = False
+    in_code: bool = False
 
 
 def _growing_layer_class() -> type:
@@ -151,13 +159,18 @@ def decode_batch(model: Any, ids: Any, attn: Any, vision: dict[str, Any], *, max
                  temperature: float, top_p: float, stops: Callable[[list[int]], bool],
                  eos_ids: Sequence[int], suppress: Sequence[int] = (),
                  processors: Sequence[Any] = (),
-                 on_done: Callable[[int, Row], None] | None = None) -> list[Row]:
+                 on_done: Callable[[int, Row], None] | None = None,
+                 code_temperature: float | None = None,
+                 opens_code: Callable[[list[int]], bool] | None = None) -> list[Row]:
     """Generate for every row of a left-padded batch until it stops; see the module docstring.
 
     ``stops(tokens)`` says whether a row's tokens so far end its turn (besides an eos token);
     ``on_done(i, row)`` is called the moment row ``i`` stops (the others keep decoding), or at
-    the end for rows cut off by ``max_new_tokens``.
+    the end for rows cut off by ``max_new_tokens``; ``opens_code(tokens)`` whether a row's last
+    token completed a ``<code>`` tag (needed when ``code_temperature`` is set).
     """
+    if code_temperature is not None and opens_code is None:
+        raise ValueError("code_temperature needs opens_code")
     import torch
     from transformers import DynamicCache
 
@@ -182,13 +195,18 @@ def decode_batch(model: Any, ids: Any, attn: Any, vision: dict[str, Any], *, max
                 scores[:, suppress_t] = float("-inf")
             for proc in processors:
                 scores = proc(context, scores)
-            tok, lp = _sample(logits, scores, temperature, top_p)
+            temps = [code_temperature if code_temperature is not None and rows[r].in_code
+                     else temperature for r in live]
+            tok, lp = _sample(logits, scores, temps, top_p)
             finished = torch.isin(tok, eos).tolist()
             keep = []
             for j, (r, t, p) in enumerate(zip(live, tok.tolist(), lp.tolist())):
                 row = rows[r]
                 row.tokens.append(t)
                 row.logprobs.append(p)
+                row.temperatures.append(temps[j])
+                if code_temperature is not None and not row.in_code and opens_code(row.tokens):
+                    row.in_code = True
                 row.done = finished[j] or stops(row.tokens)
                 if not row.done:
                     keep.append(j)
@@ -216,20 +234,32 @@ def decode_batch(model: Any, ids: Any, attn: Any, vision: dict[str, Any], *, max
     return rows
 
 
-def _sample(logits: Any, scores: Any, temperature: float, top_p: float) -> tuple[Any, Any]:
-    """The next token of every row from ``scores`` (logits after suppression and processors),
-    and its log-prob under the unmodified distribution it was sampled from."""
+def _sample(logits: Any, scores: Any, temps: list[float], top_p: float) -> tuple[Any, Any]:
+    """The next token of every row from ``scores`` (logits after suppression and processors;
+    row i at ``temps[i]``, 0 is greedy), and its log-prob under the unmodified distribution it
+    was sampled from (``softmax(logits / T)``, ``T = 1`` for greedy rows)."""
     import torch
 
-    if temperature > 0:
-        logp = torch.log_softmax(logits / temperature, dim=-1)
-        probs = torch.softmax(scores / temperature, dim=-1)
-        if top_p < 1.0:
-            probs = _top_p(probs, top_p)
-        tok = torch.multinomial(probs, 1)[:, 0]
-    else:
-        logp = torch.log_softmax(logits, dim=-1)
-        tok = scores.argmax(-1)
+    if len(set(temps)) == 1:  # the common case: one temperature for the whole batch
+        t = temps[0]
+        if t > 0:
+            logp = torch.log_softmax(logits / t, dim=-1)
+            probs = torch.softmax(scores / t, dim=-1)
+            if top_p < 1.0:
+                probs = _top_p(probs, top_p)
+            tok = torch.multinomial(probs, 1)[:, 0]
+        else:
+            logp = torch.log_softmax(logits, dim=-1)
+            tok = scores.argmax(-1)
+        return tok, logp.gather(-1, tok[:, None])[:, 0]
+    t = torch.tensor([x if x > 0 else 1.0 for x in temps], dtype=logits.dtype,
+                     device=logits.device)[:, None]
+    greedy = torch.tensor([x <= 0 for x in temps], device=logits.device)
+    logp = torch.log_softmax(logits / t, dim=-1)
+    probs = torch.softmax(scores / t, dim=-1)
+    if top_p < 1.0:
+        probs = _top_p(probs, top_p)
+    tok = torch.where(greedy, scores.argmax(-1), torch.multinomial(probs, 1)[:, 0])
     return tok, logp.gather(-1, tok[:, None])[:, 0]
 
 

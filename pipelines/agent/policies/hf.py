@@ -114,7 +114,8 @@ class HFPolicy:
 
         def finish(i: int, row: Row) -> None:
             kept, reason, text = self.tokens.cut(row.tokens)
-            self.tokens.append_generated(handles[i], kept, row.logprobs[: len(kept)])
+            self.tokens.append_generated(handles[i], kept, row.logprobs[: len(kept)],
+                                         row.temperatures[: len(kept)])
             results[i] = Generation(text=text, finish=reason, n_tokens=len(kept))
             if on_done is not None:
                 on_done(i, results[i])
@@ -125,5 +126,8 @@ class HFPolicy:
                 max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
                 top_p=sampling.top_p, stops=self.tokens.ends_turn, eos_ids=sorted(self.eos_ids),
                 suppress=self.model.generation_config.suppress_tokens or (),
-                processors=self.logits_processors, on_done=finish)
+                processors=self.logits_processors, on_done=finish,
+                code_temperature=sampling.code_temperature,
+                opens_code=self.tokens.opens_code if sampling.code_temperature is not None
+                else None)
         return results  # type: ignore[return-value]

@@ -57,6 +57,7 @@ class TokenContext:
     prompt_len: int
     mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)    # one per model token (mask 1)
+    temperatures: list[float] = field(default_factory=list)  # per model token, when recorded
     images: list[Any] = field(default_factory=list)        # PIL, in context order
     pixel_values: list[Any] = field(default_factory=list)  # one tensor per image (if kept)
     grids: list[Any] = field(default_factory=list)         # one [1, 3] tensor per image
@@ -104,14 +105,25 @@ class ChatTokens:
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else self.im_end
         self._closing: set[int] | None = None  # ids whose token text holds ">"
 
-    def ends_turn(self, tokens: list[int]) -> bool:
-        """Whether a turn's tokens so far end with the code stop ``</code>`` (checked by decoding
-        the tail only after a token that can close it)."""
+    def _closes_tag(self, tokens: list[int]) -> bool:
         if self._closing is None:
             pieces = self.tokenizer.convert_ids_to_tokens(list(range(len(self.tokenizer))))
             self._closing = {i for i, p in enumerate(pieces) if p and ">" in p}
-        return bool(tokens) and tokens[-1] in self._closing and \
+        return bool(tokens) and tokens[-1] in self._closing
+
+    def ends_turn(self, tokens: list[int]) -> bool:
+        """Whether a turn's tokens so far end with the code stop ``</code>`` (checked by decoding
+        the tail only after a token that can close it)."""
+        return self._closes_tag(tokens) and \
             CODE_STOP in self.tokenizer.decode(tokens[-8:], skip_special_tokens=False)
+
+    def opens_code(self, tokens: list[int]) -> bool:
+        """Whether a turn's last token completed a ``<code>`` tag: the tokens after it are code
+        (what ``agent.code_temperature`` applies to)."""
+        if not self._closes_tag(tokens):
+            return False
+        tail = self.tokenizer.decode(tokens[-8:], skip_special_tokens=False)
+        return tail.rstrip().endswith(CODE_OPEN)
 
     @property
     def processor_kwargs(self) -> dict[str, int]:
@@ -184,10 +196,13 @@ class ChatTokens:
         ctx.pixel_values += pix
         ctx.grids += grids
 
-    def append_generated(self, ctx: TokenContext, ids: list[int], logprobs: list[float]) -> None:
+    def append_generated(self, ctx: TokenContext, ids: list[int], logprobs: list[float],
+                         temperatures: list[float] | None = None) -> None:
         ctx.ids += ids
         ctx.mask += [1] * len(ids)
         ctx.logprobs += logprobs
+        if temperatures is not None:
+            ctx.temperatures += temperatures
 
     def cut(self, row: list[int]) -> tuple[list[int], Finish, str]:
         """Tokens a row really generated (up to eos or the token completing ``</code>``), why it
@@ -216,7 +231,9 @@ class ChatTokens:
     def trace(self, ctx: TokenContext) -> TokenTrace:
         return TokenTrace(input_ids=list(ctx.ids), prompt_len=ctx.prompt_len,
                           response_mask=list(ctx.mask), logprobs=list(ctx.logprobs),
-                          images=list(ctx.images))
+                          images=list(ctx.images),
+                          temperatures=(list(ctx.temperatures)
+                                        if len(ctx.temperatures) == len(ctx.logprobs) else []))
 
     def end(self, ctx: TokenContext) -> None:
         ctx.pixel_values.clear()

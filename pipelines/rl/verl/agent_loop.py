@@ -38,14 +38,28 @@ Limits: ``agent.max_turns_train`` (verl does not tell a loop whether it is valid
 validation uses the training limit too), ``agent.max_images``, ``agent.max_context_tokens``, and a
 response budget of ``min(rl.max_response_tokens, rollout.response_length)``. The policy folds the
 response budget into the context count it reports, so the loop's one context check stops the
-trajectory (``context_overflow``) when either budget is spent; a final interpreter turn that
-overshoots is cut at the budget, never inside an image's pad run, and images whose runs were cut
-are dropped with them. Sampled vision special tokens (which a random or broken model can emit)
-end the turn before them, since a pad run without an image would break the server and training.
+trajectory (``context_overflow``) when either budget is spent; a response that overshoots (the
+final interpreter turn) is cut back to the last turn boundary within the budget
+(:func:`fit_response`): never inside a turn, so never inside an image's
+``<|vision_start|>...<|vision_end|>`` span, and images whose spans were cut are dropped with them.
+A prompt longer than ``rollout.prompt_length`` (its image tokens included) stops the trajectory
+at once with ``prompt_too_long``: the output is then a short text-only placeholder whose response
+carries no loss, the ranking sampler drops it and counts it, and the step goes on (a
+``ValueError`` from verl's padding would have killed it). Sampled vision special tokens (which a
+random or broken model can emit) end the turn before them, since a pad run without an image
+would break the server and training.
+
+With ``rl.mask_truncated`` (over-turn masking), a trajectory stopped by the turn or context
+limit gets an all-zero response mask: no loss, while its reward still counts in its group.
+``agent.code_temperature`` cannot be honoured here (vLLM samples a request at one temperature
+and verl's actor rescales every logit by ``rollout.temperature``), so the loop refuses it, as the
+launcher does at compose time.
 
 ``extra_fields`` carry what the reward and the ranking need: ``tool_calls``,
-``successful_calls``, ``failed_calls``, ``num_turns`` (assistant turns), ``stop_reason``,
-``final_answer``, ``answer_chars``, ``produced_image``, ``well_formed`` and a few diagnostics.
+``successful_calls``, ``failed_calls``, ``num_turns`` (assistant turns), ``stop_reason`` (every
+trajectory has one: the ranking sampler turns them into ``stop/<reason>`` rates per step),
+``final_answer``, ``answer_chars``, ``produced_image``, ``well_formed``, ``masked`` and a few
+diagnostics.
 verl's naive reward manager merges them into ``extra_info``, then overwrites ``num_turns`` there
 with ``AgentLoopOutput.num_turns``, which counts messages (prompt, assistant and interpreter
 turns) as verl's own loops do; ``assistant_turns`` keeps our count under a name it leaves alone.
@@ -70,10 +84,11 @@ from pipelines.agent.loop import run_episodes
 from pipelines.agent.policies.base import Generation, Sampling
 from pipelines.agent.policies.tokens import ChatTokens, TokenContext
 from pipelines.agent.protocol import CODE_STOP
-from pipelines.agent.trajectory import Trajectory
+from pipelines.agent.trajectory import TRUNCATED_STOPS, Trajectory
 from pipelines.config.recipe import Recipe, load_recipe
 from pipelines.core.records import Task
 from pipelines.errors import DataError, UserError
+from pipelines.rl.verl.overrides import CODE_TEMPERATURE_UNSUPPORTED
 
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>",
                  "<|video_pad|>")
@@ -251,6 +266,9 @@ class PyVisionAgentLoop(AgentLoopBase):
         kwargs.pop("tools", None)
         super().__init__(*args, **kwargs)
         self.recipe = _load(str(recipe) if recipe is not None else None)
+        if self.recipe.agent.code_temperature is not None:
+            raise UserError(CODE_TEMPERATURE_UNSUPPORTED,
+                            hint="unset agent.code_temperature, or train with --engine local")
         if self.processor is None or getattr(self.processor, "image_processor", None) is None:
             raise UserError("the PyVision agent loop needs a vision-language model with a "
                             "processor, but verl loaded none",
@@ -323,6 +341,9 @@ class PyVisionAgentLoop(AgentLoopBase):
         response_ids, mask, logprobs, images = fit_response(
             prompt_ids, response_ids, trace.response_mask, logprobs, trace.images, budget,
             vision_start, vision_end, tokens.image_token_id)
+        masked = self.recipe.rl.mask_truncated and traj.stop_reason in TRUNCATED_STOPS
+        if masked:
+            mask = [0] * len(mask)
         observations = sum(1 for t in traj.turns if t.observation is not None)
         metrics: dict[str, Any] = {"generate_sequences": policy.generate_s,
                                    "tool_calls": traj.tool_s}
@@ -344,6 +365,8 @@ class PyVisionAgentLoop(AgentLoopBase):
             "context_images": len(images),
             "visual_tokens": traj.visual_tokens,
             "response_truncated": len(response_ids) < len(trace.response_mask),
+            "masked": masked,
+            "prompt_tokens": traj.prompt_tokens,
             "prompt_version": traj.prompt_version,
             "turn_scores": [],
             "tool_rewards": [],

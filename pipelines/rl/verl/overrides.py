@@ -27,6 +27,14 @@ the launch script in the run directory says what ran. The paper's values come fr
   logger's JSONL at a known path (the launcher streams it into the store), resume mode, and
   a Ray runtime environment that lets every worker import this package.
 
+- Options: ``rl.lora`` becomes verl's FSDP LoRA (``actor_rollout_ref.model.lora_rank``,
+  ``lora_alpha``, ``target_modules``, the vision tower excluded with ``exclude_modules``, and the
+  adapter-friendly weight sync verl documents: ``rollout.load_format=safetensors``,
+  ``rollout.layered_summon=True``); ``rl.mask_truncated`` and
+  ``rl.strategy.zero_variance_basis`` are the agent loop's and the sampler's own (nothing to
+  set in verl); ``agent.code_temperature`` is refused here, with the reason
+  (:data:`CODE_TEMPERATURE_UNSUPPORTED`).
+
 ``+key=value`` adds a key verl's YAML does not declare but its code reads: ``rollout.limit_images``
 (a ``RolloutConfig`` field), ``custom_reward_function.reward_kwargs`` and
 ``sampler_kwargs.*`` (passed to our functions), ``ray_kwargs.ray_init.runtime_env.env_vars.*``.
@@ -42,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from pipelines.config.recipe import Recipe
+from pipelines.errors import UserError
 from pipelines.trackers import verl_tracker_env
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -130,10 +139,41 @@ def gen_batch_size(prompts_per_step: int, oversample_factor: float) -> int:
     return math.gcd(prompts_per_step, extra) if extra > 0 else prompts_per_step
 
 
+# verl's code-temperature refusal, worded once (the agent loop raises it too); kept here so that
+# composing the overrides needs no verl import.
+CODE_TEMPERATURE_UNSUPPORTED = (
+    "agent.code_temperature is not supported by the verl engine: vLLM/SGLang sample a request at "
+    "one temperature and verl's actor rescales every logit of a batch by "
+    "actor_rollout_ref.rollout.temperature, so tokens inside <code> could be sampled at another "
+    "temperature but not trained under it")
+# peft regex (full match) of the modules LoRA must leave alone: the vision tower.
+LORA_EXCLUDE = ".*visual.*"
+
+
+def lora_overrides(recipe: Recipe) -> list[Override]:
+    """verl's FSDP LoRA settings for ``rl.lora`` (none when it is off)."""
+    lora = recipe.rl.lora
+    if not lora.enabled:
+        return []
+    return [
+        Override("actor_rollout_ref.model.lora_rank", lora.rank),
+        Override("actor_rollout_ref.model.lora_alpha", lora.alpha),
+        Override("actor_rollout_ref.model.target_modules", list(lora.target_modules)),
+        Override("actor_rollout_ref.model.exclude_modules", LORA_EXCLUDE),
+        Override("actor_rollout_ref.rollout.load_format", "safetensors"),
+        Override("actor_rollout_ref.rollout.layered_summon", True),
+    ]
+
+
 def render(recipe: Recipe, *, model: str, paths: VerlPaths, has_val: bool,
            resume: bool) -> list[Override]:
     """The overrides as (key, value) pairs; see the module docstring for what and why."""
     rl, agent, verl, algo = recipe.rl, recipe.agent, recipe.rl.verl, recipe.rl.algorithm
+    if agent.code_temperature is not None:
+        raise UserError(CODE_TEMPERATURE_UNSUPPORTED,
+                        hint="unset agent.code_temperature (--set agent.code_temperature=null), "
+                             "or train with --engine local, which samples and trains each token "
+                             "at its own temperature")
     test_freq = verl.test_freq if has_val else -1
     tokens = rl.max_prompt_tokens + rl.max_response_tokens
     strategy = rl.strategy.model_dump()
@@ -181,6 +221,7 @@ def render(recipe: Recipe, *, model: str, paths: VerlPaths, has_val: bool,
         Override("actor_rollout_ref.actor.kl_loss_coef", algo.kl_coef),
         Override("actor_rollout_ref.actor.entropy_coeff", algo.entropy_coef),
         Override("actor_rollout_ref.actor.freeze_vision_tower", rl.freeze_vision_tower),
+        *lora_overrides(recipe),
         # rollout: multi-turn agent loop on vLLM/SGLang servers
         Override("actor_rollout_ref.rollout.name", verl.rollout_name),
         Override("actor_rollout_ref.rollout.mode", "async"),

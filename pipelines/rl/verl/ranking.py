@@ -89,8 +89,11 @@ class Session:
 
     def rollout(self) -> Rollout:
         final = self.extra.get("final_answer") or None
+        terms = self.extra.get("reward_extra_info") or {}
+        correct = terms.get("correct")
         return Rollout(self.reward, broken_reason(self.extra.get("stop_reason") or None, final),
-                       bool(self.extra.get("produced_image", True)))
+                       bool(self.extra.get("produced_image", True)),
+                       float(correct) if correct is not None else None)
 
 
 @dataclass
@@ -160,7 +163,8 @@ def choose(groups: list[GroupData], target: int, cfg: StrategyConfig) -> Choice:
     dropped = Counter(filtered.dropped)
     dropped["rank_cut"] = ranked.dropped.get("rank_cut", 0)
     dropped["single_rollout"] = len(singles)
-    selection = Selection(kept=ranked.kept, dropped=dropped, generated_groups=len(groups))
+    selection = Selection(kept=ranked.kept, dropped=dropped, generated_groups=len(groups),
+                          varying=filtered.varying)
     by_uid = {g.uid: g for g in groups}
     keys: list[str] = []
     drop_keys: list[str] = []
