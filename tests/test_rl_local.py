@@ -3,8 +3,8 @@
 The nano model is untrained, so its rollouts never answer and the real reward would be 0 for every
 trajectory (no gradient). These tests replace the reward with a deterministic function of the
 generated tokens, which gives groups real variance and real updates; what they check (resume,
-checkpoints, metrics) does not depend on what the reward means. The slow test at the end trains
-for real: SFT on LLaMA-Factory, then RL with the true reward.
+checkpoints, metrics) does not depend on what the reward means. ``test_rl_sanity.py`` trains for
+real: SFT on LLaMA-Factory, then engine steps with the true reward, on the demo's settings.
 """
 
 from __future__ import annotations
@@ -362,59 +362,6 @@ def test_cli_rl_local_then_resume_is_a_no_op(tiny_model_dir, rl_tasks, tmp_path)
     assert {m["name"] for m in Store().metrics("cli", "rl")} >= REQUIRED - {"entropy", "grad_norm"}
     again = CliRunner().invoke(app, [*args, "--resume"])
     assert again.exit_code == 0 and "already finished" in again.output
-
-
-# -- the measured result: RL after a short SFT raises the reward -------------------------------
-
-# A tiny policy after a minute of SFT answers well-formed about a third of the time at T=0.6 and
-# correctly ~2% of the time (greedy: ~12%). With the paper's reward alone (accuracy + tool bonus)
-# almost every group has zero variance, and the few updates on single groups at a learning rate
-# a 0.4M-parameter model needs make it drift (tool calls fell from 0.7 to 0.24 per trajectory in
-# 12 steps). A format penalty gives the reward a dense signal; accuracy then rises with it.
-IMPROVE = [
-    "seed=0", "model.tiny.size=nano", "model.tiny.init=random", "model.device=cpu",
-    "model.dtype=float32",
-    "data.synth.image_search.n_train=120", "data.synth.image_search.n_heldout=0",
-    "data.synth.image_search.families=[count]", "data.synth.video.n_train=0",
-    "data.synth.video.n_heldout=0", "data.synth.sft_fraction=0.5", "data.copy_drills=0",
-    "sft.use_cpu=true", "sft.precision=fp32", "sft.max_steps=200", "sft.learning_rate=4e-3",
-    "sft.lr_scheduler_type=cosine", "sft.warmup_ratio=0.05", "sft.per_device_train_batch_size=4",
-    "sft.gradient_accumulation_steps=1", "sft.cutoff_len=2048", "sft.save_steps=100000",
-    "sft.image_max_pixels=12544", "sft.freeze_vision_tower=true", "sft.finetuning_type=full",
-    "agent.max_turns_train=3", "agent.max_images=8", "agent.max_context_tokens=2048",
-    "agent.max_new_tokens_per_turn=256", "agent.image_max_pixels=12544", "agent.temperature=0.6",
-    "rl.engine=local", "rl.prompts_per_step=4", "rl.mini_batch_prompts=2", "rl.n=4",
-    "rl.learning_rate=1e-3", "rl.strategy.oversample_factor=2", "rl.local.steps=12",
-    "rl.local.save_every=100", "rl.local.threads=1", "rl.local.ppo_epochs=1",
-    "reward.format_penalty=0.5", "reward.tool_reward_per_call=0.1", "reward.judge.base_url=null",
-]
-
-
-@pytest.mark.slow
-def test_rl_after_short_sft_raises_mean_reward(tmp_path, monkeypatch):
-    from pipelines.run import run_pipeline
-
-    # One torch thread: for a tiny model on a shared 2-core machine two threads are many times
-    # slower (they spin waiting for each other); LLaMA-Factory's subprocess inherits this.
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    recipe = load_recipe(None, IMPROVE + [f"runs_dir={tmp_path / 'runs'}"])
-    store = Store(tmp_path / "store.duckdb")
-    summary = run_pipeline(recipe, store=store, run_id="improve", until_stage="rl",
-                           show_progress=False)
-    assert summary["sft"]["last_loss"] < 0.5 * summary["sft"]["first_loss"]
-    steps = per_step(store, "improve")
-    assert sorted(steps) == list(range(12))
-    curve = {k: [steps[s].get(k, 0.0) for s in range(12)] for k in ("reward/mean", "accuracy",
-                                                          "tool_calls/mean", "stop/answered")}
-    first, last = slice(0, 4), slice(8, 12)
-
-    def mean(values):
-        return sum(values) / len(values)
-
-    rise = mean(curve["reward/mean"][last]) - mean(curve["reward/mean"][first])
-    print("RL curve:", json.dumps({k: [round(v or 0, 3) for v in vs] for k, vs in curve.items()}))
-    assert rise >= 0.15, curve
-    assert mean(curve["accuracy"][last]) > mean(curve["accuracy"][first]), curve
 
 
 @pytest.mark.gpu

@@ -200,11 +200,13 @@ def test_trainer_log_probs_use_the_3d_positions_the_processor_gives(tiny_model_d
 
 # -- the real thing: the demo's RL settings on a model that half-solves its tasks -------------
 
+# 100 SFT trajectories for the recipe's 3 epochs leave the model half-solving colour questions
+# (40 for 2 epochs left it writing gibberish: nothing to raise).
 HALF = [
-    "seed=0", "data.synth.image_search.n_train=80", "data.synth.image_search.n_heldout=0",
+    "seed=0", "data.synth.image_search.n_train=200", "data.synth.image_search.n_heldout=0",
     "data.synth.image_search.families=[color]", "data.synth.video.n_train=0",
-    "data.synth.video.n_heldout=0", "data.synth.sft_fraction=0.5", "sft.num_train_epochs=2",
-    "rl.local.threads=1", "reward.judge.base_url=null",
+    "data.synth.video.n_heldout=0", "data.synth.sft_fraction=0.5", "rl.local.threads=1",
+    "reward.judge.base_url=null",
 ]
 
 
@@ -212,8 +214,9 @@ HALF = [
 def test_demo_rl_settings_raise_the_reward_of_prompts_the_sft_model_half_solves(tmp_path,
                                                                                 monkeypatch):
     """The demo's base, SFT and RL settings (tiny-cpu.yaml): after a short SFT on the colour
-    family, eight engine steps on a fixed batch of prompts it half-solves raise their expected
-    reward (16 fresh samples per prompt before and after)."""
+    family, twelve engine steps on a fixed batch of prompts it half-solves raise their expected
+    reward (16 fresh samples per prompt before and after, paired 95% interval above zero).
+    Measured: 0.04 -> 0.33, +0.29 [+0.06, +0.47]; eight steps were not enough to separate."""
     from pipelines.run import run_pipeline
     from pipelines.store import Store
 
@@ -225,10 +228,11 @@ def test_demo_rl_settings_raise_the_reward_of_prompts_the_sft_model_half_solves(
     tasks, _ = read_tasks(rl_dir)
     model, processor = load_policy_model(recipe, str(tmp_path / "runs" / "half" / "sft" / "output"))
     result = fixed_batch_check(recipe, model, processor, [(t, rl_dir) for t in tasks[:6]],
-                               steps=8, samples=16)
+                               steps=12, samples=16)
     print(result)
-    assert 0.1 < result["before"] < 0.9, result  # half-solved: room to rise, something to keep
-    assert result["delta"] > 0 and result["delta_ci95"][0] > -0.05, result
+    # Half-solved: a right answer with a tool call earns 1.1, a wrong one 0, a malformed one -0.5.
+    assert -0.25 < result["before"] < 0.75, result
+    assert result["delta"] > 0 and result["delta_ci95"][0] > 0, result
 
 
 def test_cli_sanity_reports_a_model_that_cannot_learn_the_batch_and_writes_nothing(
