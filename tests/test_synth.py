@@ -17,7 +17,8 @@ from typer.testing import CliRunner
 from benchmarks.scoring import verify
 from pipelines.core.records import read_conversations, read_tasks
 from pipelines.data.solvers import plan
-from pipelines.data.synth import FAMILIES, PALETTE, synthesize
+from pipelines.data.synth import FAMILIES, synthesize
+from pipelines.data.vocab import PALETTE
 from pipelines.errors import UserError
 from pyvision_cli.data import app
 
@@ -144,7 +145,7 @@ def test_solver_plans_reach_the_right_answer(tmp_path):
 
 
 def test_plans_restate_the_question_and_name_their_colours(image_set, video_set):
-    from pipelines.data.synth import PALETTE
+    from pipelines.data.vocab import PALETTE
 
     for root in (image_set, video_set):
         tasks, _ = read_tasks(root)

@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 
 from pipelines.core.records import Task
-from pipelines.data.synth import PALETTE
+from pipelines.data.vocab import PALETTE
 
 
 @dataclass(frozen=True)

@@ -28,15 +28,6 @@ from pipelines.fsutil import atomic_dir, atomic_write_json
 
 # 2: lossless, repeatable video clips (libx264rgb, qp 0).
 GENERATOR_VERSION = "2"
-# Well separated in RGB so that colour masks with a generous tolerance survive video compression.
-PALETTE: dict[str, tuple[int, int, int]] = {
-    "red": (220, 40, 40),
-    "green": (40, 170, 60),
-    "blue": (40, 80, 220),
-    "yellow": (235, 205, 30),
-    "purple": (150, 60, 190),
-    "cyan": (40, 200, 210),
-}
 KINDS = ("image-search", "video")
 FAMILIES = {
     "image-search": ("color", "count", "position", "measure", "text"),
@@ -47,7 +38,6 @@ DEFAULT_FAMILIES = {
     "image-search": ("color", "count", "position", "measure"),
     "video": ("count", "distance", "order"),
 }
-MC_INSTRUCTION = "Answer with the option's letter from the given choices directly."
 MAX_TASKS = 10_000_000
 """The most tasks one set may hold (data.synth.image_search.n_train's bound)."""
 BYTES_PER_TASK = {"image-search": 1_000_000, "video": 8_000}
@@ -59,15 +49,6 @@ def task_rng(kind: str, seed: int, split: str, index: int) -> random.Random:
     """The RNG of one task: a hash of its identity, independent of every other task."""
     digest = hashlib.sha256(f"pyvision-synth:{kind}:{seed}:{split}:{index}".encode()).digest()
     return random.Random(int.from_bytes(digest[:8], "big"))
-
-
-def mc_question(stem: str, options: Sequence[str]) -> str:
-    lines = [stem] + [f"({chr(65 + i)}) {o}" for i, o in enumerate(options)] + [MC_INSTRUCTION]
-    return "\n".join(lines)
-
-
-def letter_of(options: Sequence[str], value: str) -> str:
-    return chr(65 + list(options).index(value))
 
 
 def synthesize(kind: str, n: int, seed: int, out: str | Path, *, split: str = "train",

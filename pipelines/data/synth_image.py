@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from pipelines.core.records import Task
-from pipelines.data.synth import PALETTE, letter_of, mc_question
+from pipelines.data.vocab import PALETTE, letter_of, mc_question
 
 SHAPES = ("square", "circle", "triangle")
 WORDS = ("cat", "sun", "box", "map", "key", "cup", "pen", "car", "fish", "tree", "star", "moon",

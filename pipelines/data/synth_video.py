@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from pipelines.core.records import Task
-from pipelines.data.synth import PALETTE, letter_of, mc_question
+from pipelines.data.vocab import PALETTE, letter_of, mc_question
 
 WIDTH, HEIGHT, FPS = 192, 144, 8
 LANE_H = 24  # 6 lanes

@@ -133,7 +133,7 @@ ALIGNMENT_TOLERANCE = {"float32": 1e-3, "bfloat16": 5e-2, "float16": 5e-2}
 
 
 def run_sanity(recipe: Recipe, model_path: str, task_dirs: list[str], *, prompts: int = 6,
-               steps: int = 8, samples: int = 16, show_progress: bool = True) -> dict[str, Any]:
+               steps: int = 12, samples: int = 16, show_progress: bool = True) -> dict[str, Any]:
     """Both checks on ``model_path`` and the first ``prompts`` tasks of ``task_dirs``, with
     ``recipe``'s RL settings. ``passed``: the log-probs line up and the fixed batch's expected
     reward rose (the lower end of its paired 95% interval above zero)."""
