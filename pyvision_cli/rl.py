@@ -37,7 +37,7 @@ def rl(
     model: Annotated[str | None, typer.Option(metavar="PATH", help="Policy to start from [default: the SFT model].")] = None,
     tasks: Annotated[list[str] | None, typer.Option(metavar="DIR", help="RL prompt folder(s), repeatable [default: the data stage's].")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="verl: write the launch files and print the command, start nothing.")] = False,
-    sanity: Annotated[bool, typer.Option("--sanity", help="Check the update instead of training: log-probs line up, and 8 local-engine steps on 6 fixed prompts raise their expected reward (16 samples each, before and after). Prints JSON; exit 1 if it fails. Writes nothing.")] = False,
+    sanity: Annotated[bool, typer.Option("--sanity", help="Check the update instead of training: log-probs line up, and 12 local-engine steps on 6 fixed prompts raise their expected reward (16 samples each, before and after). Prints JSON; exit 1 if it fails. Writes nothing.")] = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Oversample, filter zero-variance and broken groups, rank by reward std; GRPO without std
