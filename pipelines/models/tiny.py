@@ -142,12 +142,19 @@ def train_tokenizer(spec: TinySpec, seed: int, extra_corpus: Iterable[str] = ())
     return fast
 
 
-def build_config(spec: TinySpec, tokenizer):
-    from transformers import Qwen2_5_VLConfig
-
+def _special_ids_and_head_dim(spec: TinySpec, tokenizer) -> tuple[dict[str, int], int]:
+    """The special tokens' ids and the attention head size, checked against the mRoPE sections
+    (shared by the Qwen2.5-VL and Qwen3-VL builders)."""
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     head_dim = spec.hidden // spec.heads
     assert sum(spec.mrope_section) * 2 == head_dim, "mrope sections must cover head_dim / 2"
+    return ids, head_dim
+
+
+def build_config(spec: TinySpec, tokenizer):
+    from transformers import Qwen2_5_VLConfig
+
+    ids, _ = _special_ids_and_head_dim(spec, tokenizer)
     return Qwen2_5_VLConfig(
         text_config={
             "vocab_size": len(tokenizer), "hidden_size": spec.hidden,
@@ -177,9 +184,7 @@ def build_config(spec: TinySpec, tokenizer):
 def build_config_qwen3(spec: TinySpec, tokenizer):
     from transformers import Qwen3VLConfig
 
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
-    head_dim = spec.hidden // spec.heads
-    assert sum(spec.mrope_section) * 2 == head_dim, "mrope sections must cover head_dim / 2"
+    ids, head_dim = _special_ids_and_head_dim(spec, tokenizer)
     return Qwen3VLConfig(
         text_config={
             "vocab_size": len(tokenizer), "hidden_size": spec.hidden, "head_dim": head_dim,
