@@ -36,6 +36,17 @@ crop.show()
 SIZE_8K = (7680, 4320)
 
 
+def _timed_show(sandbox, code: str, n: int) -> tuple[list[float], list[int]]:
+    """Seconds of each of ``n`` runs of ``code`` (which shows one image), and that image's size."""
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        r = sandbox.run(code)
+        times.append(time.perf_counter() - t)
+        assert r.status == "ok" and len(r.frames) == 1, r.stderr
+    return times, list(r.frames[0].size)
+
+
 def _serve_forked(sock: socket.socket) -> None:
     """The unisolated baseline worker: length-prefixed JSON in, ``exec``, JSON out."""
     scope: dict[str, Any] = {"__name__": "__main__"}
@@ -136,26 +147,14 @@ def run_benchmark(repeats: int = 30, n_concurrent: int = 64,
                 assert r.status == "ok", r.stderr
 
             overhead, baseline = _interleaved(call, lambda: forked.run("x = 1"), repeats)
-            crop = []
-            for _ in range(max(5, repeats // 3)):
-                t = time.perf_counter()
-                r = s.run(CROP_SHOW)
-                crop.append(time.perf_counter() - t)
-                assert r.status == "ok" and len(r.frames) == 1, r.stderr
-            crop_size = list(r.frames[0].size)
+            crop, crop_size = _timed_show(s, CROP_SHOW, max(5, repeats // 3))
     finally:
         forked.close()
 
     with Sandbox(cfg, images={"image_clue_0": big}, **context) as s:
         for _ in range(2):
             s.run(CROP_8K)
-        crop8k = []
-        for _ in range(max(5, repeats // 3)):
-            t = time.perf_counter()
-            r = s.run(CROP_8K)
-            crop8k.append(time.perf_counter() - t)
-            assert r.status == "ok" and len(r.frames) == 1, r.stderr
-        crop8k_size = list(r.frames[0].size)
+        crop8k, crop8k_size = _timed_show(s, CROP_8K, max(5, repeats // 3))
 
     base = process_tree_memory_mb()
     live = []
