@@ -604,7 +604,7 @@ class _FdPumps:
             if self._idle():
                 return
         except OSError:
-            pass
+            pass  # the quick check could not tell: drain the pipe the full way below
         self.drained.clear()
         try:
             os.write(self.write_fd, self.MARKER)
