@@ -9,6 +9,7 @@ Messages follow one shape: *what* went wrong, *where* (file, line, key, URL), an
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 
@@ -44,6 +45,22 @@ class EndpointError(UserError):
 
 class SubprocessFailed(UserError):
     """An external engine (LLaMA-Factory, verl, lmms-eval) exited with an error."""
+
+
+class ConfigChanged(UserError):
+    """A stage of a run was made with another resolved config than the one given now.
+
+    ``changed`` holds the dotted keys whose values differ; :meth:`shown` is how the message
+    lists them (the first five), for callers that name them elsewhere.
+    """
+
+    def __init__(self, what: str, changed: Sequence[str], *, hint: str | None = None) -> None:
+        self.changed = tuple(changed)
+        super().__init__(f"{what} was made with a different config ({self.shown()} changed)",
+                         hint=hint)
+
+    def shown(self) -> str:
+        return ", ".join(self.changed[:5]) + (" ..." if len(self.changed) > 5 else "")
 
 
 def require_file(path: str | Path, what: str, hint: str | None = None) -> Path:

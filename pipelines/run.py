@@ -20,7 +20,7 @@ from typing import Any
 
 from pipelines.config.recipe import Recipe
 from pipelines.console import err
-from pipelines.errors import UserError
+from pipelines.errors import ConfigChanged, UserError
 from pipelines.rundir import STAGES, StageDir, stage_dir
 
 
@@ -164,7 +164,6 @@ def _config_drift(sd: StageDir) -> str:
     """Keys whose value in the stage's stored config differs from the current recipe."""
     try:
         sd.check_same_config()
-    except UserError as exc:
-        text = exc.message
-        return text[text.find("(") + 1: text.find(" changed")] if "(" in text else "some keys"
+    except ConfigChanged as exc:
+        return exc.shown()
     return ""

@@ -25,7 +25,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
-from pipelines.errors import UserError
+from pipelines.errors import ConfigChanged, UserError
 from pipelines.fsutil import atomic_write_json, atomic_write_text
 
 STAGES = ("data", "sft", "rl", "merge", "eval", "report")
@@ -145,7 +145,8 @@ class StageDir:
                                  "--run-id NEW for a separate run")
 
     def check_same_config(self, hint: str | None = None) -> None:
-        """Refuse to continue a run whose stored config differs from this one."""
+        """Refuse (:class:`ConfigChanged`) to continue a run whose stored config differs from
+        this one."""
         stored = self.path / "config.yaml"
         if not stored.is_file():
             return
@@ -157,11 +158,9 @@ class StageDir:
         defaults = _flatten(type(self.config)().model_dump(mode="json"))
         changed = sorted(k for k in new if old.get(k, defaults.get(k)) != new[k])
         if changed:
-            shown = ", ".join(changed[:5]) + (" ..." if len(changed) > 5 else "")
-            raise UserError(
-                f"run '{self.run_id}' stage '{self.stage}' was made with a different config "
-                f"({shown} changed)", hint=hint or "pass --force to redo the stage, or "
-                "--run-id NEW for a separate run")
+            raise ConfigChanged(f"run '{self.run_id}' stage '{self.stage}'", changed,
+                                hint=hint or "pass --force to redo the stage, or --run-id NEW "
+                                "for a separate run")
 
     def begin(self, *, force: bool = False, resume: bool = False,
               config_hint: str | None = None) -> None:

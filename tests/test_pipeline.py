@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 from pipelines.config.recipe import DEFAULT_RECIPE, load_recipe
 from pipelines.errors import UserError
 from pipelines.run import run_pipeline
+from pipelines.rundir import stage_dir
 from pipelines.store import Store
 
 REDUCED = [
@@ -78,3 +79,15 @@ def test_missing_inputs_name_the_stage_to_run(tmp_path):
     with pytest.raises(UserError, match="data stage"):
         run_pipeline(recipe, store=Store(), run_id="empty", from_stage="sft", until_stage="sft")
     assert not (Path(tmp_path) / "empty" / "sft" / "manifest.json").exists()
+
+
+def test_a_finished_stage_is_skipped_and_its_config_drift_named(tmp_path, capsys):
+    sd = stage_dir(load_recipe(None, [f"runs_dir={tmp_path}"]), "merge", "r", runs_dir=None)
+    sd.begin()
+    sd.finish({"model": str(tmp_path / "model")}, {"model": "m"})
+    changed = load_recipe(None, [f"runs_dir={tmp_path}", "rl.local.steps=7"])
+    summary = run_pipeline(changed, store=Store(), run_id="r", from_stage="merge",
+                           until_stage="merge", show_progress=False)
+    assert summary == {"merge": {"status": "skipped", "model": "m"}}
+    assert "[1/1] merge: already done, skipped (its config differs in rl.local.steps; pass " \
+           "--from merge --force to redo)" in " ".join(capsys.readouterr().err.split())

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from pipelines.config.recipe import load_recipe
-from pipelines.errors import UserError
+from pipelines.errors import ConfigChanged, UserError
 from pipelines.rundir import check_run_id, stage_dir
 from pipelines.store import Store
 
@@ -95,3 +95,16 @@ def test_force_forgets_the_old_attempts_records(tmp_path):
     again = stage_dir(recipe, "rl", "exp", runs_dir=tmp_path / "runs", store=store)
     again.begin(force=True)
     assert [(m["stage"], m["name"]) for m in store.metrics("exp")] == [("sft", "loss")]
+
+
+def test_a_changed_config_is_a_typed_error_that_names_the_keys(tmp_path):
+    stage_dir(load_recipe(), "sft", "exp", runs_dir=tmp_path).begin()
+    sets = {"sft.learning_rate": 0.5, "sft.max_steps": 7, "sft.save_steps": 9, "rl.prompts_per_step": 3,
+            "rl.n": 3, "rl.local.steps": 99}
+    changed = load_recipe(None, [f"{k}={v}" for k, v in sets.items()])
+    with pytest.raises(ConfigChanged) as refused:
+        stage_dir(changed, "sft", "exp", runs_dir=tmp_path).check_same_config()
+    assert refused.value.changed == tuple(sorted(sets))
+    assert refused.value.shown() == ", ".join(sorted(sets)[:5]) + " ..."
+    assert refused.value.message == (f"run 'exp' stage 'sft' was made with a different config "
+                                     f"({refused.value.shown()} changed)")
