@@ -63,6 +63,10 @@ class ConfigChanged(UserError):
         return ", ".join(self.changed[:5]) + (" ..." if len(self.changed) > 5 else "")
 
 
+class ManifestError(UserError):
+    """A stage's ``manifest.json`` that is not valid JSON or not the shape that stage writes."""
+
+
 def require_file(path: str | Path, what: str, hint: str | None = None) -> Path:
     """Return ``path`` as a Path if it is an existing file, else raise a :class:`UserError`."""
     p = Path(path)

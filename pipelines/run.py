@@ -14,19 +14,14 @@ range. An interrupted SFT or RL stage continues from its last checkpoint when ru
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 
 from pipelines.config.recipe import Recipe
 from pipelines.console import err
 from pipelines.errors import ConfigChanged, UserError
+from pipelines.manifest import DataOutputs, MergeOutputs, RLOutputs, SFTOutputs
 from pipelines.rundir import STAGES, StageDir, stage_dir
-
-
-def _outputs(sd: StageDir, stage: str) -> dict[str, Any]:
-    path = sd.runs_dir / sd.run_id / stage / "manifest.json"
-    return json.loads(path.read_text())["outputs"] if path.is_file() else {}
 
 
 def _stage_data(recipe: Recipe, sd: StageDir, show: bool) -> dict[str, Any]:
@@ -56,22 +51,22 @@ def _stage_rl(recipe: Recipe, sd: StageDir, show: bool) -> dict[str, Any]:
 
 
 def _stage_merge(recipe: Recipe, sd: StageDir, show: bool) -> dict[str, Any]:
-    rl = _outputs(sd, "rl")
+    rl = sd.outputs_of(RLOutputs)
+    if rl is None or (recipe.rl.engine != "verl" and rl.adapter is None and rl.model is None):
+        raise UserError(f"run '{sd.run_id}' has no RL model to merge",
+                        hint="run the rl stage first (or --from rl)")
     if recipe.rl.engine == "verl":
         from pipelines.merge import merge_verl
 
-        info = merge_verl(rl["checkpoints"], sd.path / "model", python=recipe.rl.verl.python,
+        info = merge_verl(rl.checkpoints, sd.path / "model", python=recipe.rl.verl.python,
                           force=True)
         final = info["path"]
-    elif "adapter" in rl:
+    elif rl.adapter is not None:
         from pipelines.sft.lora import merge_lora
 
-        final = merge_lora(rl["adapter"], rl["base_model"], sd.path / "model", force=True)["path"]
+        final = merge_lora(rl.adapter, rl.base_model, sd.path / "model", force=True)["path"]
     else:
-        if "model" not in rl:
-            raise UserError(f"run '{sd.run_id}' has no RL model to merge",
-                            hint="run the rl stage first (or --from rl)")
-        final = rl["model"]
+        final = rl.model
     sd.finish({"model": final}, {"model": final})
     return {"model": final}
 
@@ -79,22 +74,25 @@ def _stage_merge(recipe: Recipe, sd: StageDir, show: bool) -> dict[str, Any]:
 def models_to_evaluate(sd: StageDir) -> dict[str, str]:
     """Model tag -> path for every model the run produced (base, sft, rl)."""
     out = {}
-    base = _outputs(sd, "data").get("base_model")
-    if base:
-        out["base"] = base
-    sft = _outputs(sd, "sft").get("model")
-    if sft:
-        out["sft"] = sft
-    final = _outputs(sd, "merge").get("model") or _outputs(sd, "rl").get("model")
-    if final:
-        out["rl"] = final
+    data = sd.outputs_of(DataOutputs)
+    if data is not None and data.base_model:
+        out["base"] = data.base_model
+    sft = sd.outputs_of(SFTOutputs)
+    if sft is not None and sft.model:
+        out["sft"] = sft.model
+    merged = sd.outputs_of(MergeOutputs)
+    if merged is not None:
+        out["rl"] = merged.model
+    elif (rl := sd.outputs_of(RLOutputs)) is not None and rl.model:
+        out["rl"] = rl.model
     return out
 
 
 def _stage_eval(recipe: Recipe, sd: StageDir, show: bool) -> dict[str, Any]:
     from pipelines.eval.runner import run_eval
 
-    data_dirs = _outputs(sd, "data").get("heldout", {})
+    data = sd.outputs_of(DataOutputs)
+    data_dirs = data.heldout if data is not None else {}
     summary: dict[str, Any] = {}
     for tag, path in models_to_evaluate(sd).items():
         results = run_eval(recipe, model=path, model_tag=tag, benchmarks=list(recipe.eval.benchmarks),
@@ -143,7 +141,7 @@ def run_pipeline(recipe: Recipe, *, store: Any, run_id: str | None = None,
             stale = _config_drift(sd)
             note = f" (its config differs in {stale}; pass --from {stage} --force to redo)" if stale else ""
             err.print(f"[dim][{i}/{len(selected)}] {stage}: already done, skipped{note}[/]")
-            summary[stage] = {"status": "skipped", **sd.manifest().get("summary", {})}
+            summary[stage] = {"status": "skipped", **sd.manifest().summary}
             continue
         err.rule(f"[{i}/{len(selected)}] {stage}")
         start = time.monotonic()

@@ -2,16 +2,16 @@
 
 Each stage directory holds ``config.yaml`` (the resolved recipe, every default spelled out),
 ``environment.json`` (package versions, Python, git sha, command line) and, written last,
-``manifest.json`` (outputs and summary). The manifest's existence means "this stage finished":
-a re-run skips such a stage unless ``--force``. A re-run with a different resolved config is refused
-rather than mixing two configs under one run id.
+``manifest.json`` (outputs, typed per stage in :mod:`pipelines.manifest`, and summary). The
+manifest's existence means "this stage finished": a re-run skips such a stage unless ``--force``.
+A re-run with a different resolved config is refused rather than mixing two configs under one run
+id.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
 import importlib.metadata as md
-import json
 import platform
 import re
 import shutil
@@ -27,8 +27,10 @@ from pydantic import BaseModel
 
 from pipelines.errors import ConfigChanged, UserError
 from pipelines.fsutil import atomic_write_json, atomic_write_text
+from pipelines.manifest import OUTPUTS, OutputsT, StageManifest, read_manifest
 
 STAGES = ("data", "sft", "rl", "merge", "eval", "report")
+MANIFEST = "manifest.json"
 KEY_PACKAGES = ("torch", "torchvision", "transformers", "verl", "llamafactory", "lmms-eval",
                 "vllm", "duckdb", "datasets", "huggingface-hub", "pydantic", "typer", "decord",
                 "av", "pillow", "numpy", "math-verify", "pyvision-rl")
@@ -109,13 +111,20 @@ class StageDir:
 
     @property
     def manifest_path(self) -> Path:
-        return self.path / "manifest.json"
+        return self.path / MANIFEST
 
     def is_complete(self) -> bool:
         return self.manifest_path.is_file()
 
-    def manifest(self) -> dict[str, Any]:
-        return json.loads(self.manifest_path.read_text(encoding="utf-8"))
+    def manifest(self) -> StageManifest:
+        """This finished stage's manifest, validated."""
+        return read_manifest(self.manifest_path, OUTPUTS[self.stage])
+
+    def outputs_of(self, kind: type[OutputsT]) -> OutputsT | None:
+        """The outputs of this run's ``kind.stage`` stage, validated; None when that stage has
+        not finished."""
+        path = self.run_path / kind.stage / MANIFEST
+        return read_manifest(path, kind).outputs if path.is_file() else None
 
     def _config_dict(self) -> dict[str, Any]:
         return self.config.model_dump(mode="json")
@@ -198,19 +207,20 @@ class StageDir:
             self.store.set_stage(self.run_id, self.stage, "running", run_dir=str(self.path))
         self.started = True
 
-    def finish(self, outputs: Mapping[str, Any], summary: Mapping[str, Any] | None = None) -> dict:
-        """Write ``manifest.json`` (last) and mark the stage done in the store."""
+    def finish(self, outputs: Mapping[str, Any], summary: Mapping[str, Any] | None = None) -> None:
+        """Write ``manifest.json`` (last) and mark the stage done in the store. ``outputs`` must
+        have the stage's shape (:data:`pipelines.manifest.OUTPUTS`): a stage that writes
+        something later stages cannot read fails here, before its manifest exists."""
         manifest = {
             "run_id": self.run_id,
             "stage": self.stage,
             "finished_at": _dt.datetime.now().isoformat(timespec="seconds"),
-            "outputs": dict(outputs),
+            "outputs": OUTPUTS[self.stage].model_validate(dict(outputs)).to_json(),
             "summary": dict(summary or {}),
         }
         atomic_write_json(self.manifest_path, manifest)
         if self.store is not None:
             self.store.set_stage(self.run_id, self.stage, "done", summary=manifest["summary"])
-        return manifest
 
     def fail(self, message: str) -> None:
         if self.store is not None:

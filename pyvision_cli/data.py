@@ -254,7 +254,7 @@ def prepare(
     if sd.is_complete() and not force:
         err.print(f"data stage of run '{sd.run_id}' already finished; pass --force to redo it")
         if json_out:
-            print_json(sd.manifest())
+            print_json(sd.manifest().to_json())
         return
     sd.begin(force=force)
     try:
@@ -264,4 +264,4 @@ def prepare(
         raise
     err.print(f"[green]data ready[/] in {sd.path}: {result['summary']}")
     if json_out:
-        print_json(sd.manifest())
+        print_json(sd.manifest().to_json())

@@ -94,7 +94,7 @@ def pretrain(
         err.print(f"pretraining of run '{sd.run_id}' already finished ({sd.manifest_path}); "
                   "pass --force to redo it")
         if json_out:
-            print_json(sd.manifest())
+            print_json(sd.manifest().to_json())
         return
     sd.begin(force=force and not resume)
     try:

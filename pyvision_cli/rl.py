@@ -57,7 +57,7 @@ def rl(
         err.print(f"rl of run '{sd.run_id}' already finished ({sd.manifest_path}); pass --force "
                   "to redo it (with --resume: continue it with a changed config)")
         if json_out:
-            print_json(sd.manifest())
+            print_json(sd.manifest().to_json())
         return
     # Everything is checked before the first write: a bad input leaves no folder or store row.
     start_model, task_dirs = resolve_rl_inputs(recipe, sd, model=model, tasks=tasks)
@@ -80,6 +80,6 @@ def rl(
             sd.fail(str(exc))
         raise
     if json_out:
-        print_json(result if dry_run else sd.manifest())
+        print_json(result if dry_run else sd.manifest().to_json())
     elif not dry_run:
         err.print(f"[green]RL done[/]: {result}")

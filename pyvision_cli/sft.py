@@ -57,7 +57,7 @@ def sft(
         err.print(f"sft of run '{sd.run_id}' already finished ({sd.manifest_path}); "
                   "pass --force to redo it")
         if json_out:
-            print_json(sd.manifest())
+            print_json(sd.manifest().to_json())
         return
     model_path, ds_dir, ds_name = resolve_sft_inputs(recipe, sd, model=model,
                                                      dataset_dir=dataset_dir, dataset=dataset)
@@ -80,4 +80,4 @@ def sft(
     err.print(f"[green]SFT done[/] in {summary['seconds']} s: loss {summary['first_loss']} -> "
               f"{summary['last_loss']} over {summary['steps']} steps; model in {sd.path / 'output'}")
     if json_out:
-        print_json(sd.manifest())
+        print_json(sd.manifest().to_json())

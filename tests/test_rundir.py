@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import yaml
+from pydantic import ValidationError
+from typer.testing import CliRunner
 
 from pipelines.config.recipe import load_recipe
-from pipelines.errors import ConfigChanged, UserError
+from pipelines.errors import ConfigChanged, ManifestError, UserError
+from pipelines.manifest import OUTPUTS, DataOutputs, RLOutputs
 from pipelines.rundir import check_run_id, stage_dir
 from pipelines.store import Store
+from pyvision_cli.main import app
+
+SFT_OUTPUTS = {"base_model": "m", "train_yaml": "sft/train.yaml", "log": "sft/log",
+               "model": "sft/output"}
 
 
 def test_stage_lifecycle_writes_config_env_and_manifest_last(tmp_path):
@@ -26,8 +34,9 @@ def test_stage_lifecycle_writes_config_env_and_manifest_last(tmp_path):
     assert env["packages"]["duckdb"] and "git_sha" in env and env["python"].startswith("3.")
     saved = yaml.safe_load((sd.path / "config.yaml").read_text())
     assert saved["rl"]["n"] == recipe.rl.n and saved["name"] == "tiny-cpu"
-    sd.finish({"tasks": "data/tasks.jsonl"}, {"n": 3})
-    assert sd.is_complete() and sd.manifest()["outputs"] == {"tasks": "data/tasks.jsonl"}
+    outputs = {"rl_tasks": ["data/rl"], "heldout": {}, "base_model": "m"}
+    sd.finish(outputs, {"n": 3})
+    assert sd.is_complete() and sd.manifest().to_json()["outputs"] == outputs
     assert store.stages("tiny-cpu")[0]["status"] == "done"
 
 
@@ -35,7 +44,7 @@ def test_rerun_with_other_config_is_refused_and_force_redoes(tmp_path):
     sd = stage_dir(load_recipe(), "sft", "exp1", runs_dir=tmp_path)
     sd.begin()
     (sd.path / "leftover.txt").write_text("x")
-    sd.finish({})
+    sd.finish(SFT_OUTPUTS)
     other = stage_dir(load_recipe(None, ["sft.learning_rate=0.5"]), "sft", "exp1", runs_dir=tmp_path)
     assert other.is_complete()
     with pytest.raises(UserError, match=r"sft\.learning_rate changed.*--force"):
@@ -91,7 +100,7 @@ def test_force_forgets_the_old_attempts_records(tmp_path):
     sd.begin()
     store.log_metrics("exp", "rl", 0, {"reward/mean": 0.1})
     store.log_metrics("exp", "sft", 0, {"loss": 2.0})
-    sd.finish({})
+    sd.finish({"model": "rl/model", "checkpoints": "rl/checkpoints", "base_model": "m"})
     again = stage_dir(recipe, "rl", "exp", runs_dir=tmp_path / "runs", store=store)
     again.begin(force=True)
     assert [(m["stage"], m["name"]) for m in store.metrics("exp")] == [("sft", "loss")]
@@ -108,3 +117,71 @@ def test_a_changed_config_is_a_typed_error_that_names_the_keys(tmp_path):
     assert refused.value.shown() == ", ".join(sorted(sets)[:5]) + " ..."
     assert refused.value.message == (f"run 'exp' stage 'sft' was made with a different config "
                                      f"({refused.value.shown()} changed)")
+
+
+# -- manifests: typed outputs, validated both ways ----------------------------------------------
+
+# What each stage's writer puts in its manifest, as run folders written before the typed outputs
+# hold them: the same keys in the same order must come back.
+WRITTEN = [
+    ("data", {"rl_tasks": ["d/rl/image-search"], "heldout": {"synth-image": "d/h"},
+              "datasets": {"vstar": "d/vstar"}, "base_model": "d/base-model",
+              "sft_dataset_dir": "d/llamafactory", "sft_dataset_name": "pyvision_sft"}),
+    ("data", {"rl_tasks": [], "heldout": {}, "base_model": "Qwen/Qwen2.5-VL-7B-Instruct"}),
+    ("sft", {"base_model": "m", "train_yaml": "s/train.yaml", "log": "s/log", "adapter": "s/output",
+             "model": "s/merged"}),
+    ("rl", {"adapter": "r/adapter", "checkpoints": "r/checkpoints", "base_model": "m"}),
+    ("rl", {"checkpoints": "r/c", "checkpoint": "r/c/global_step_3/actor", "base_model": "m",
+            "launch_script": "r/launch.sh", "log": "r/verl.log", "metrics": "r/metrics.jsonl",
+            "train_data": "r/train.parquet", "val_data": None}),
+    ("merge", {"model": "m/model"}),
+    ("eval", {"models": {"base": "b", "sft": "s", "rl": "r"}}),
+    ("report", {"png:reward": "p/reward.png", "json": "p/report.json", "html": "p/report.html"}),
+    ("pretrain", {"model": "p/model"}),
+]
+
+
+@pytest.mark.parametrize("stage, outputs", WRITTEN)
+def test_manifest_outputs_keep_their_keys_and_order(tmp_path, stage, outputs):
+    sd = stage_dir(load_recipe(), stage, "r", runs_dir=tmp_path)
+    sd.begin()
+    sd.finish(outputs, {"n": 1})
+    raw = json.loads(sd.manifest_path.read_text())
+    assert list(raw["outputs"].items()) == list(outputs.items())
+    assert sd.manifest().to_json() == raw
+    assert sd.outputs_of(OUTPUTS[stage]) == sd.manifest().outputs
+
+
+def test_outputs_of_the_wrong_shape_write_no_manifest(tmp_path):
+    sd = stage_dir(load_recipe(), "merge", "r", runs_dir=tmp_path)
+    sd.begin()
+    with pytest.raises(ValidationError):
+        sd.finish({"model": 3})
+    with pytest.raises(ValidationError):
+        sd.finish({"model": "m", "extra": "x"})
+    assert not sd.is_complete()
+    assert sd.outputs_of(RLOutputs) is None  # a stage that has not finished has no outputs
+
+
+@pytest.mark.parametrize("text, problem", [
+    ('{"run_id": "r"', r"manifest\.json:1: malformed JSON \(Expecting ',' delimiter\)"),
+    ("[]", r"manifest\.json is not a data stage manifest \(not a JSON object\)"),
+    (json.dumps({"run_id": "r", "stage": "data", "finished_at": "t", "summary": {},
+                 "outputs": {"rl_tasks": "d/rl", "heldout": {}, "base_model": "m"}}),
+     r"manifest\.json is not a data stage manifest \(outputs\.rl_tasks: Input should be a "
+     + r"valid list\)"),
+])
+def test_a_malformed_manifest_is_one_line_naming_the_file(tmp_path, monkeypatch, text, problem):
+    monkeypatch.chdir(tmp_path)
+    data = tmp_path / "runs" / "r" / "data"
+    data.mkdir(parents=True)
+    (data / "manifest.json").write_text(text)
+    with pytest.raises(ManifestError, match=problem):
+        stage_dir(load_recipe(), "sft", "r", runs_dir=None).outputs_of(DataOutputs)
+    # The SFT stage reads its inputs from that manifest: one line, exit 2, nothing written.
+    result = CliRunner().invoke(app, ["sft", "--run-id", "r"])
+    assert result.exit_code == 2, result.output
+    (line,) = result.output.strip().splitlines()
+    assert re.fullmatch(rf"error: {re.escape(str(data))}/{problem}\. Fix: redo the data stage "
+                        r"with --force\.", line), line
+    assert not (tmp_path / "runs" / "r" / "sft").exists()

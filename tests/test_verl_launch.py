@@ -522,10 +522,10 @@ def test_launch_streams_metrics_and_finishes_with_checkpoints(rl_tasks, tmp_path
     assert sorted(by_step) == [1, 2, 3]
     assert by_step[2]["critic/score/mean"] == pytest.approx(0.2) and by_step[2]["loss"] == -2.0
     assert "flag" not in by_step[2] and "hist" not in by_step[2]  # only numbers are metrics
-    manifest = sd.manifest()["outputs"]
-    assert manifest["checkpoints"] == str(sd.path / "checkpoints") and not stale.exists()
+    outputs = sd.manifest().outputs
+    assert outputs.checkpoints == str(sd.path / "checkpoints") and not stale.exists()
     # `pyvision merge --engine verl` (and the merge stage) finds the last step in that folder.
-    assert _find_actor_dir(Path(manifest["checkpoints"])) == sd.path / "checkpoints" / "global_step_3" / "actor"
+    assert _find_actor_dir(Path(outputs.checkpoints)) == sd.path / "checkpoints" / "global_step_3" / "actor"
     env = json.loads((sd.path / "fake_env.json").read_text())
     assert env["RAY_ADDRESS"] == "auto" and env["cwd"] == str(sd.path)
     assert env["PYTHONPATH"].split(os.pathsep)[0] == str(Path(__file__).resolve().parents[1])

@@ -8,31 +8,27 @@ verl's configuration and launches ``verl.trainer.main_ppo`` (see ``pipelines/rl/
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from pipelines.config.recipe import Recipe
 from pipelines.errors import UserError
+from pipelines.manifest import DataOutputs, SFTOutputs
 from pipelines.rundir import StageDir
-
-
-def _manifest_outputs(sd: StageDir, stage: str) -> dict[str, Any]:
-    path = sd.runs_dir / sd.run_id / stage / "manifest.json"
-    return json.loads(path.read_text())["outputs"] if path.is_file() else {}
 
 
 def resolve_rl_inputs(recipe: Recipe, sd: StageDir, *, model: str | None = None,
                       tasks: list[str] | None = None) -> tuple[str, list[str]]:
     """(policy to start from, RL task folders)."""
-    data = _manifest_outputs(sd, "data")
-    sft = _manifest_outputs(sd, "sft")
-    model = model or sft.get("model") or data.get("base_model") or (
+    data = sd.outputs_of(DataOutputs)
+    sft = sd.outputs_of(SFTOutputs)
+    model = model or (sft.model if sft is not None else None) or (
+        data.base_model if data is not None else None) or (
         None if recipe.model.tiny else recipe.model.base)
     if model is None:
         raise UserError(f"no model to start RL from in run '{sd.run_id}'",
                         hint="run the data and sft stages first, or pass --model PATH")
-    task_dirs = tasks or data.get("rl_tasks") or []
+    task_dirs = tasks or (data.rl_tasks if data is not None else [])
     if not task_dirs:
         raise UserError(f"no RL prompts for run '{sd.run_id}'",
                         hint="run the data stage first, or pass --tasks DIR (a tasks.jsonl folder)")

@@ -17,27 +17,22 @@ from typing import Any
 from pipelines.config.recipe import Recipe
 from pipelines.console import err
 from pipelines.errors import UserError
+from pipelines.manifest import DataOutputs
 from pipelines.rundir import StageDir
 from pipelines.sft import llamafactory as lf
 
 METRIC_KEYS = ("loss", "lr", "epoch", "grad_norm", "throughput", "total_tokens", "percentage")
 
 
-def data_outputs(runs_dir: Path, run_id: str) -> dict[str, Any]:
-    """The outputs recorded by the run's data stage (empty when it has not finished)."""
-    manifest = runs_dir / run_id / "data" / "manifest.json"
-    if not manifest.is_file():
-        return {}
-    return json.loads(manifest.read_text(encoding="utf-8")).get("outputs", {})
-
-
 def resolve_sft_inputs(recipe: Recipe, sd: StageDir, *, model: str | None = None,
                        dataset_dir: str | None = None, dataset: str | None = None) -> tuple[str, str, str]:
     """(model path, dataset dir, dataset name), explicit arguments first, then the data stage."""
-    outputs = data_outputs(sd.runs_dir, sd.run_id)
-    model = model or outputs.get("base_model") or (None if recipe.model.tiny else recipe.model.base)
-    dataset_dir = dataset_dir or outputs.get("sft_dataset_dir")
-    dataset = dataset or outputs.get("sft_dataset_name")
+    data = sd.outputs_of(DataOutputs)
+    if data is not None:
+        model = model or data.base_model
+        dataset_dir = dataset_dir or data.sft_dataset_dir
+        dataset = dataset or data.sft_dataset_name
+    model = model or (None if recipe.model.tiny else recipe.model.base)
     if not model:
         raise UserError(f"no base model for run '{sd.run_id}': the recipe builds a tiny model in "
                         "the data stage, which has not run", hint=f"run `pyvision data prepare "

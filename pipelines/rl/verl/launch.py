@@ -48,6 +48,7 @@ import yaml
 from pipelines.config.recipe import Recipe
 from pipelines.errors import UserError
 from pipelines.fsutil import atomic_write_text
+from pipelines.manifest import DataOutputs
 from pipelines.rl.verl.overrides import (
     AGENT_LOOP_CLASS,
     AGENT_LOOP_NAME,
@@ -136,10 +137,8 @@ def check_interpreter(python: str, backend: str) -> dict[str, Any]:
 def _val_sources(recipe: Recipe, sd: StageDir) -> list[str]:
     if recipe.rl.verl.val_tasks:
         return list(recipe.rl.verl.val_tasks)
-    manifest = sd.runs_dir / sd.run_id / "data" / "manifest.json"
-    if not manifest.is_file():
-        return []
-    return list(json.loads(manifest.read_text()).get("outputs", {}).get("heldout", {}).values())
+    data = sd.outputs_of(DataOutputs)
+    return list(data.heldout.values()) if data is not None else []
 
 
 def _processor(model: str) -> Any:
