@@ -137,21 +137,18 @@ def run_pipeline(recipe: Recipe, *, store: Any, run_id: str | None = None,
     selected = STAGES[lo: hi + 1]
     for i, stage in enumerate(selected, start=1):
         sd = stage_dir(recipe, stage, run_id, runs_dir=None, store=store, recipe_path=recipe_path)
-        if sd.is_complete() and not force:
+        done = sd.finished(redo=force)
+        if done is not None:
             stale = _config_drift(sd)
             note = f" (its config differs in {stale}; pass --from {stage} --force to redo)" if stale else ""
             err.print(f"[dim][{i}/{len(selected)}] {stage}: already done, skipped{note}[/]")
-            summary[stage] = {"status": "skipped", **sd.manifest().summary}
+            summary[stage] = {"status": "skipped", **done.summary}
             continue
         err.rule(f"[{i}/{len(selected)}] {stage}")
         start = time.monotonic()
-        sd.begin(force=force, config_hint=f"pass --from {stage} --force to redo the stage "
-                 "with the new config, or --run-id NEW for a separate run")
-        try:
+        with sd.running(force=force, config_hint=f"pass --from {stage} --force to redo the stage "
+                        "with the new config, or --run-id NEW for a separate run"):
             result = RUNNERS[stage](recipe, sd, show_progress)
-        except BaseException as exc:
-            sd.fail(str(exc))
-            raise
         summary[stage] = {"status": "done", "seconds": round(time.monotonic() - start, 1),
                           **{k: v for k, v in (result or {}).items()
                              if isinstance(v, (int, float, str)) and not isinstance(v, bool)}}

@@ -6,10 +6,16 @@ Each stage directory holds ``config.yaml`` (the resolved recipe, every default s
 manifest's existence means "this stage finished": a re-run skips such a stage unless ``--force``.
 A re-run with a different resolved config is refused rather than mixing two configs under one run
 id.
+
+Every stage, run by its own command or by ``pyvision run``, goes through the same two steps:
+:meth:`StageDir.finished` (a finished stage is skipped, its manifest shown) and
+:meth:`StageDir.running` (begin, run, record a failure; the stage writes its manifest last with
+:meth:`StageDir.finish`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import importlib.metadata as md
 import platform
@@ -17,7 +23,7 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -225,6 +231,31 @@ class StageDir:
     def fail(self, message: str) -> None:
         if self.store is not None:
             self.store.set_stage(self.run_id, self.stage, "failed", summary={"error": message})
+
+    def finished(self, *, redo: bool = False) -> StageManifest | None:
+        """The manifest of this stage when it finished and is not to be redone: the caller skips
+        the stage. None when the stage is to run (through :meth:`running`)."""
+        return None if redo or not self.is_complete() else self.manifest()
+
+    @contextlib.contextmanager
+    def running(self, *, force: bool = False, resume: bool = False,
+                config_hint: str | None = None, refuse_unfinished: bool = False) -> Iterator[None]:
+        """One attempt at the stage: :meth:`begin` (``force``, ``resume`` and ``config_hint`` as
+        there; ``refuse_unfinished`` first refuses an unfinished stage without ``resume`` or
+        ``force``, :meth:`check_rerun`), then the block, which ends with :meth:`finish`.
+
+        When the block raises (Ctrl-C and bad input included) the failure is recorded in the
+        store and the exception goes on: the manifest is the block's last write, so a failed
+        attempt leaves none, and the next run starts the stage again or continues it from its
+        checkpoints."""
+        if refuse_unfinished:
+            self.check_rerun(resume=resume, force=force)
+        self.begin(force=force, resume=resume, config_hint=config_hint)
+        try:
+            yield
+        except BaseException as exc:
+            self.fail(str(exc))
+            raise
 
 
 def stage_dir(config: BaseModel, stage: str, run_id: str | None, *, runs_dir: str | Path | None,

@@ -251,17 +251,14 @@ def prepare(
     recipe = load_recipe(config, set_)
     sd = stage_dir(recipe, "data", run_id, runs_dir=None, store=Store(store),
                    recipe_path=str(config) if config else None)
-    if sd.is_complete() and not force:
+    done = sd.finished(redo=force)
+    if done is not None:
         err.print(f"data stage of run '{sd.run_id}' already finished; pass --force to redo it")
         if json_out:
-            print_json(sd.manifest().to_json())
+            print_json(done.to_json())
         return
-    sd.begin(force=force)
-    try:
+    with sd.running(force=force):
         result = run_data_stage(recipe, sd)
-    except BaseException as exc:
-        sd.fail(str(exc))
-        raise
     err.print(f"[green]data ready[/] in {sd.path}: {result['summary']}")
     if json_out:
         print_json(sd.manifest().to_json())

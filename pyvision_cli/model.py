@@ -90,22 +90,19 @@ def pretrain(
     sd = stage_dir(recipe, "pretrain", run_id or f"pretrain-{tiny.size}-s{tiny.seed}",
                    runs_dir=None, store=st, recipe_path=str(config) if config else None)
     target = out or sd.path / "model"
-    if sd.is_complete() and not force and not resume:
+    done = sd.finished(redo=force or resume)
+    if done is not None:
         err.print(f"pretraining of run '{sd.run_id}' already finished ({sd.manifest_path}); "
                   "pass --force to redo it")
         if json_out:
-            print_json(sd.manifest().to_json())
+            print_json(done.to_json())
         return
-    sd.begin(force=force and not resume)
-    try:
+    with sd.running(force=force and not resume):
         manifest = run_pretrain(recipe.model.pretrain, size=tiny.size, seed=tiny.seed,
                                 out=target, work=sd.path, store=st, run_id=sd.run_id,
                                 resume=resume)
-    except BaseException as exc:
-        sd.fail(str(exc))
-        raise
-    sd.finish({"model": str(target)}, {"final_loss": manifest["final_loss"],
-                                       **{f"probe/{k}": v for k, v in manifest["probe"].items()}})
+        sd.finish({"model": str(target)}, {"final_loss": manifest["final_loss"],
+                                           **{f"probe/{k}": v for k, v in manifest["probe"].items()}})
     probe = ", ".join(f"{k} {v:.2f}" for k, v in manifest["probe"].items())
     err.print(f"[green]pretrained[/] {target}: loss {manifest['final_loss']:.3f}; probe: {probe}")
     if json_out:

@@ -53,11 +53,12 @@ def rl(
     recipe = load_recipe(config, overrides)
     sd = stage_dir(recipe, "rl", run_id, runs_dir=None, store=Store(store),
                    recipe_path=str(config) if config else None)
-    if sd.is_complete() and not force and not dry_run and not sanity:
+    done = None if dry_run or sanity else sd.finished(redo=force)
+    if done is not None:
         err.print(f"rl of run '{sd.run_id}' already finished ({sd.manifest_path}); pass --force "
                   "to redo it (with --resume: continue it with a changed config)")
         if json_out:
-            print_json(sd.manifest().to_json())
+            print_json(done.to_json())
         return
     # Everything is checked before the first write: a bad input leaves no folder or store row.
     start_model, task_dirs = resolve_rl_inputs(recipe, sd, model=model, tasks=tasks)
@@ -69,17 +70,16 @@ def rl(
         if not report["passed"]:
             raise typer.Exit(1)
         return
-    if not dry_run:
-        sd.check_rerun(resume=resume, force=force)
-        sd.begin(force=force, resume=resume, config_hint=RERUN_CONFIG_HINT)
-    try:
-        result = run_rl(recipe, sd, model=start_model, task_dirs=task_dirs, resume=resume,
-                        dry_run=dry_run)
-    except BaseException as exc:
-        if not dry_run:
-            sd.fail(str(exc))
-        raise
+    if dry_run:  # writes the launch files only: the stage is not begun
+        plan = run_rl(recipe, sd, model=start_model, task_dirs=task_dirs, resume=resume,
+                      dry_run=True)
+        if json_out:
+            print_json(plan)
+        return
+    with sd.running(force=force, resume=resume, config_hint=RERUN_CONFIG_HINT,
+                    refuse_unfinished=True):
+        result = run_rl(recipe, sd, model=start_model, task_dirs=task_dirs, resume=resume)
     if json_out:
-        print_json(result if dry_run else sd.manifest().to_json())
-    elif not dry_run:
+        print_json(sd.manifest().to_json())
+    else:
         err.print(f"[green]RL done[/]: {result}")

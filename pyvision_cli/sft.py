@@ -53,11 +53,12 @@ def sft(
     st = Store(store)
     sd = stage_dir(recipe, "sft", run_id, runs_dir=None, store=st,
                    recipe_path=str(config) if config else None)
-    if sd.is_complete() and not force and not dry_run:
+    done = None if dry_run else sd.finished(redo=force)
+    if done is not None:
         err.print(f"sft of run '{sd.run_id}' already finished ({sd.manifest_path}); "
                   "pass --force to redo it")
         if json_out:
-            print_json(sd.manifest().to_json())
+            print_json(done.to_json())
         return
     model_path, ds_dir, ds_name = resolve_sft_inputs(recipe, sd, model=model,
                                                      dataset_dir=dataset_dir, dataset=dataset)
@@ -69,14 +70,10 @@ def sft(
         if json_out:
             print_json({"train_yaml": str(path), "run_dir": str(sd.path)})
         return
-    sd.check_rerun(resume=resume, force=force)
-    sd.begin(force=force, resume=resume, config_hint=RERUN_CONFIG_HINT)
-    try:
+    with sd.running(force=force, resume=resume, config_hint=RERUN_CONFIG_HINT,
+                    refuse_unfinished=True):
         summary = run_sft(recipe, sd, model=model_path, dataset_dir=ds_dir, dataset=ds_name,
                           resume=resume)
-    except BaseException as exc:
-        sd.fail(str(exc))
-        raise
     err.print(f"[green]SFT done[/] in {summary['seconds']} s: loss {summary['first_loss']} -> "
               f"{summary['last_loss']} over {summary['steps']} steps; model in {sd.path / 'output'}")
     if json_out:

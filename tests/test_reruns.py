@@ -7,6 +7,7 @@ evaluation cases use a scripted policy.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -58,6 +59,27 @@ def test_a_started_stage_is_not_started_again_silently(inp: Path, stage: str, ar
     assert "metrics up to step 2 in the store" in line
     assert "pass --resume to continue it, --force to start it over" in line
     assert sd.store.metrics("r", stage) == before
+
+
+@pytest.mark.parametrize("stage, command, outputs", [
+    ("data", ["data", "prepare"], {"rl_tasks": [], "heldout": {}, "base_model": "m"}),
+    ("sft", ["sft"], {"base_model": "m", "train_yaml": "t", "log": "l", "model": "s"}),
+    ("rl", ["rl"], {"model": "r", "checkpoints": "c", "base_model": "m"}),
+    ("pretrain", ["model", "pretrain"], {"model": "p"}),
+])
+def test_a_finished_stage_is_skipped_and_its_manifest_printed(tmp_path: Path, monkeypatch,
+                                                               stage: str, command: list[str],
+                                                               outputs: dict):
+    monkeypatch.chdir(tmp_path)
+    sd = stage_dir(load_recipe(), stage, "r", runs_dir=None, store=Store())
+    with sd.running():
+        sd.finish(outputs, {"n": 1})
+    written = sd.manifest_path.read_text()
+    result = runner.invoke(app, [*command, "--run-id", "r", "--json"])
+    assert result.exit_code == 0, result.output
+    assert "of run 'r' already finished" in result.stderr
+    assert json.loads(result.stdout) == json.loads(written)
+    assert sd.manifest_path.read_text() == written
 
 
 def test_force_forgets_the_old_attempt_and_resume_keeps_it(tmp_path: Path, monkeypatch):

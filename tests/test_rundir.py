@@ -185,3 +185,48 @@ def test_a_malformed_manifest_is_one_line_naming_the_file(tmp_path, monkeypatch,
     assert re.fullmatch(rf"error: {re.escape(str(data))}/{problem}\. Fix: redo the data stage "
                         r"with --force\.", line), line
     assert not (tmp_path / "runs" / "r" / "sft").exists()
+
+
+# -- the lifecycle every stage runs through: finished() to skip, running() to attempt ------------
+
+
+@pytest.mark.parametrize("failure", [RuntimeError("engine crashed"), KeyboardInterrupt()])
+def test_a_stage_that_raises_leaves_no_manifest_and_records_the_failure(tmp_path, failure):
+    store = Store(tmp_path / "s.duckdb")
+    sd = stage_dir(load_recipe(), "sft", "exp", runs_dir=tmp_path / "runs", store=store)
+    with pytest.raises(type(failure)), sd.running():
+        (sd.path / "output").mkdir()
+        raise failure
+    assert not sd.is_complete() and sd.finished() is None
+    (row,) = store.stages("exp")
+    assert row["status"] == "failed" and row["summary"] == {"error": str(failure)}
+    # The next attempt continues in the same folder (its checkpoints are kept) and can finish.
+    with sd.running():
+        assert (sd.path / "output").is_dir()
+        sd.finish(SFT_OUTPUTS, {"steps": 3})
+    assert store.stages("exp")[0]["status"] == "done"
+
+
+def test_a_finished_stage_is_skipped_unless_redone(tmp_path):
+    sd = stage_dir(load_recipe(), "sft", "exp", runs_dir=tmp_path)
+    assert sd.finished() is None
+    with sd.running():
+        sd.finish(SFT_OUTPUTS, {"steps": 3})
+    again = stage_dir(load_recipe(), "sft", "exp", runs_dir=tmp_path)
+    done = again.finished()
+    assert done is not None and done.summary == {"steps": 3}
+    assert done.outputs.model == SFT_OUTPUTS["model"]
+    assert again.finished(redo=True) is None
+
+
+def test_refuse_unfinished_asks_how_before_writing_anything(tmp_path):
+    store = Store(tmp_path / "s.duckdb")
+    sd = stage_dir(load_recipe(), "rl", "exp", runs_dir=tmp_path / "runs", store=store)
+    sd.begin()
+    environment = (sd.path / "environment.json").read_text()
+    with pytest.raises(UserError, match="was started before"), sd.running(refuse_unfinished=True):
+        pytest.fail("the block must not run")
+    assert (sd.path / "environment.json").read_text() == environment
+    assert store.stages("exp")[0]["status"] == "running"  # refused, not failed
+    with sd.running(resume=True, refuse_unfinished=True):
+        pass
