@@ -1,5 +1,5 @@
-"""The package layout the README's map describes: no import cycles between packages, and the
-bottom layers import nothing above them."""
+"""The package layout the README's map describes: no import cycles between packages, the bottom
+layers import nothing above them, and the packages split into modules by topic import one way."""
 
 from __future__ import annotations
 
@@ -18,6 +18,9 @@ FLOORS = {
                         "pipelines.inputs"},
     "benchmarks": {"pipelines.core", "pipelines.errors"},
 }
+# Packages split into one module per idea: their modules import one way (helpers never import
+# the modules that use them, nor the package __init__ that re-exports them).
+SPLIT = ("pipelines.agent.sandbox", "pipelines.report", "pipelines.rl")
 
 
 def _package(module: str) -> str | None:
@@ -42,19 +45,39 @@ def import_graph() -> dict[str, set[str]]:
     return edges
 
 
+def module_graph() -> dict[str, set[str]]:
+    """Module -> the modules of ours it imports (``from pkg import name`` counts as ``pkg.name``
+    when that is a module)."""
+    paths = {}
+    for path in [*ROOT.glob("pipelines/**/*.py"), *ROOT.glob("benchmarks/**/*.py")]:
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        paths[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    edges: dict[str, set[str]] = defaultdict(set)
+    for module, path in paths.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in paths
+                         else node.module for a in node.names]
+            else:
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            edges[module].update(n for n in names if n in paths and n != module)
+    return edges
+
+
+def _reach(edges: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for nxt in edges.get(todo.pop(), ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
 def test_no_package_imports_itself_back():
     edges = import_graph()
-
-    def reach(start: str) -> set[str]:
-        seen, todo = set(), [start]
-        while todo:
-            for nxt in edges.get(todo.pop(), ()):
-                if nxt not in seen:
-                    seen.add(nxt)
-                    todo.append(nxt)
-        return seen
-
-    cycles = sorted({tuple(sorted((a, b))) for a in edges for b in edges[a] if a in reach(b)})
+    cycles = sorted({tuple(sorted((a, b))) for a in edges for b in edges[a]
+                     if a in _reach(edges, b)})
     assert not cycles, cycles
     assert {"pipelines.agent", "pipelines.rl", "pipelines.eval"} <= set(edges)  # the walk works
 
@@ -63,3 +86,14 @@ def test_the_bottom_layers_import_nothing_above_them():
     edges = import_graph()
     for package, allowed in FLOORS.items():
         assert edges.get(package, set()) <= allowed, (package, edges.get(package, set()) - allowed)
+
+
+def test_the_modules_of_a_split_package_import_one_way():
+    edges = module_graph()
+    inside = {m: {n for n in deps if n.startswith(SPLIT)} for m, deps in edges.items()
+              if m.startswith(SPLIT)}
+    cycles = sorted({tuple(sorted((a, b))) for a in inside for b in inside[a]
+                     if a in _reach(inside, b)})
+    assert not cycles, cycles
+    assert {"pipelines.rl.sampler", "pipelines.rl.logprobs"} <= set(edges["pipelines.rl.local"])
+    assert "pipelines.agent.sandbox.isolation" in edges["pipelines.agent.sandbox.client"]

@@ -305,7 +305,7 @@ def test_perf_rl_json(tiny_model_dir, rl_tasks):
 def test_policy_never_emits_vision_pads(tiny_model_dir, rl_tasks):
     """A policy that prefers <|image_pad|> above all would break its next forward pass."""
     from pipelines.rl.local import load_policy_model, load_rl_tasks
-    from pipelines.rl.local_utils import TaskSampler
+    from pipelines.rl.sampler import TaskSampler
 
     recipe = load_recipe(None, ENGINE + ["rl.strategy.filter_zero_variance=false"])
     model, processor = load_policy_model(recipe, str(tiny_model_dir))
@@ -331,7 +331,7 @@ def test_kl_to_the_starting_policy(tiny_model_dir, rl_tasks):
     import copy
 
     from pipelines.rl.local import load_policy_model, load_rl_tasks
-    from pipelines.rl.local_utils import TaskSampler
+    from pipelines.rl.sampler import TaskSampler
 
     recipe = load_recipe(None, ENGINE + ["rl.algorithm.kl_coef=0.5", "rl.mini_batch_prompts=1",
                                          "rl.strategy.filter_zero_variance=false"])

@@ -117,7 +117,7 @@ def test_code_temperature_samples_and_trains_each_token_at_its_own(policy, monke
     """Tokens after the code tag are sampled at code_temperature, recorded per token, and the
     trainer's log-probs reproduce the sampler's for every token (a single temperature would not)."""
     from pipelines.agent.policies.base import Sampling
-    from pipelines.rl.local_utils import TokenSequence, sequence_logprobs
+    from pipelines.rl.logprobs import TokenSequence, sequence_logprobs
 
     # The random tiny model never writes "<code>": say the code opens after its 4th token.
     monkeypatch.setattr(policy.tokens, "opens_code", lambda toks: len(toks) == 4)

@@ -13,7 +13,7 @@ import torch
 from pipelines.config.recipe import load_recipe
 from pipelines.core.records import read_tasks
 from pipelines.rl.local import LocalEngine, load_policy_model
-from pipelines.rl.local_utils import TaskSampler
+from pipelines.rl.sampler import TaskSampler
 from pipelines.rl.sanity import fixed_batch_check, logprob_alignment
 from pipelines.scoring.reward import RewardBreakdown
 
@@ -85,7 +85,7 @@ def test_recomputed_logprobs_catch_a_wrong_temperature(tiny_model_dir, items):
 def _alignment_at(engine, items, rollout_temperature):
     from pipelines.agent.loop import run_episodes
     from pipelines.agent.policies.base import Sampling
-    from pipelines.rl.local_utils import TokenSequence, sequence_logprobs
+    from pipelines.rl.logprobs import TokenSequence, sequence_logprobs
 
     agent = engine.recipe.agent
     with engine.sampling():
@@ -169,7 +169,7 @@ def test_trainer_log_probs_use_the_3d_positions_the_processor_gives(tiny_model_d
     # without the token types silently uses 1-D ones. The trainer must see what SFT trained.
     from PIL import Image
 
-    from pipelines.rl.local_utils import TokenSequence, sequence_logprobs
+    from pipelines.rl.logprobs import TokenSequence, sequence_logprobs
 
     recipe = load_recipe(None, DEMO)
     model, processor = load_policy_model(recipe, str(tiny_model_dir))

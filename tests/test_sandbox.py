@@ -272,9 +272,9 @@ def test_bad_media_is_reported_before_running(tmp_path):
 
 
 def test_rlimit_fallback_works_and_warns():
-    from pipelines.agent import sandbox as sandbox_mod
+    from pipelines.agent.sandbox import isolation
 
-    sandbox_mod._warned_rlimit = False
+    isolation._warned_rlimit = False
     with pytest.warns(RuntimeWarning, match="NOT A SECURITY BOUNDARY"):
         s = Sandbox(SandboxConfig(isolation="rlimit", timeout_s=2),
                     images={"image_clue_0": Image.new("RGB", (8, 8))})
@@ -323,15 +323,16 @@ def test_libraries_outside_site_packages_reach_the_sandbox(tmp_path, monkeypatch
     # `python -I` ignores PYTHONPATH: a preloaded library installed with `pip install --target`
     # (a cluster module, the GPU machine's layout) must still be importable inside.
     from pipelines.agent import sandbox as sandbox_mod
+    from pipelines.agent.sandbox import isolation, zygote_host
 
     root = tmp_path / "target"
     root.mkdir()
     (root / "probe_target.py").write_text("VALUE = 42\n")
     monkeypatch.syspath_prepend(str(root))
-    monkeypatch.setattr(sandbox_mod, "PRELOADED_MODULES",
-                        (*sandbox_mod.PRELOADED_MODULES, "probe_target"))
-    monkeypatch.setattr(sandbox_mod, "_ZYGOTES", {})  # a fresh zygote sees the new roots
-    roots = sandbox_mod._import_roots()
+    monkeypatch.setattr(isolation, "PRELOADED_MODULES",
+                        (*isolation.PRELOADED_MODULES, "probe_target"))
+    monkeypatch.setattr(zygote_host, "_ZYGOTES", {})  # a fresh zygote sees the new roots
+    roots = isolation.import_roots()
     assert str(root) in roots
     assert str(REPO) not in roots  # the checkout is on sys.path here, never in the sandbox
     try:
@@ -346,13 +347,14 @@ def test_libraries_outside_site_packages_reach_the_sandbox(tmp_path, monkeypatch
 @pytest.mark.parametrize("mode", ["rlimit", pytest.param("bwrap", marks=strict)])
 def test_a_sandbox_that_cannot_open_its_video_says_why(tmp_path, monkeypatch, mode):
     from pipelines.agent import sandbox as sandbox_mod
+    from pipelines.agent.sandbox import isolation, zygote_host
 
     root = tmp_path / "shadow"
     (root / "decord").mkdir(parents=True)
     (root / "decord" / "__init__.py").write_text("raise ImportError('planted')\n")
-    real_roots = sandbox_mod._import_roots
-    monkeypatch.setattr(sandbox_mod, "_import_roots", lambda: [str(root), *real_roots()])
-    monkeypatch.setattr(sandbox_mod, "_ZYGOTES", {})
+    real_roots = isolation.import_roots
+    monkeypatch.setattr(isolation, "import_roots", lambda: [str(root), *real_roots()])
+    monkeypatch.setattr(zygote_host, "_ZYGOTES", {})
     video = tmp_path / "clip.mp4"
     _tiny_mp4(video)
     try:
@@ -372,13 +374,14 @@ def test_a_sandbox_that_cannot_open_its_video_says_why(tmp_path, monkeypatch, mo
 def test_doctor_reports_a_library_the_sandbox_cannot_import(tmp_path, monkeypatch):
     from pipelines import doctor
     from pipelines.agent import sandbox as sandbox_mod
+    from pipelines.agent.sandbox import isolation, zygote_host
 
     root = tmp_path / "shadow"
     (root / "decord").mkdir(parents=True)
     (root / "decord" / "__init__.py").write_text("raise ImportError('planted')\n")
-    real_roots = sandbox_mod._import_roots
-    monkeypatch.setattr(sandbox_mod, "_import_roots", lambda: [str(root), *real_roots()])
-    monkeypatch.setattr(sandbox_mod, "_ZYGOTES", {})
+    real_roots = isolation.import_roots
+    monkeypatch.setattr(isolation, "import_roots", lambda: [str(root), *real_roots()])
+    monkeypatch.setattr(zygote_host, "_ZYGOTES", {})
     try:
         check = doctor._sandbox_runtime_check()
     finally:
@@ -556,9 +559,9 @@ def test_cli_leaves_no_empty_output_folder(tmp_path, monkeypatch):
 
 @strict
 def test_rlimit_by_choice_does_not_say_bubblewrap_is_missing(monkeypatch):
-    from pipelines.agent import sandbox as sandbox_mod
+    from pipelines.agent.sandbox import isolation
 
-    monkeypatch.setattr(sandbox_mod, "_warned_rlimit", False)
+    monkeypatch.setattr(isolation, "_warned_rlimit", False)
     with pytest.warns(RuntimeWarning) as warned:
         isolation_mode(SandboxConfig(isolation="rlimit"))
     (message,) = [str(w.message) for w in warned]

@@ -28,7 +28,7 @@ def run_benchmark(*, model: str | None = None, size: str = "small", tasks: str |
 
     from pipelines.config.recipe import load_recipe
     from pipelines.rl.local import LocalEngine, load_policy_model, load_rl_tasks
-    from pipelines.rl.local_utils import TaskSampler
+    from pipelines.rl.sampler import TaskSampler
 
     with tempfile.TemporaryDirectory(prefix="pyvision-perf-rl-") as tmp:
         build_s = 0.0

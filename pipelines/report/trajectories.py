@@ -27,6 +27,7 @@ from typing import Any
 
 from pipelines.core.media import EXTENSION, thumbnail_file
 from pipelines.fsutil import atomic_write_text
+from pipelines.report.stats import MODEL_ORDER, primary_metric
 
 TEXT_LIMIT = 4000
 """Characters of any one text (a turn's text, code, output) a page shows; the rest is cut with a
@@ -80,8 +81,6 @@ def sample_score(benchmark: str, scores: dict[str, float | None]) -> tuple[str |
         return primary, scores[primary]
     if len(scores) == 1:
         return next(iter(scores.items()))
-    from pipelines.report import primary_metric
-
     name = primary_metric(scores)
     return name, scores[name]
 
@@ -130,8 +129,6 @@ def _question(task: dict[str, Any] | None, trajectory: dict[str, Any] | None) ->
 
 
 def _model_order(key: tuple[str, str], run_order: dict[str, int]) -> tuple:
-    from pipelines.report import MODEL_ORDER
-
     run, model = key
     return (run_order.get(run, 9999), run, MODEL_ORDER.get(model, 9), model)
 

@@ -49,8 +49,9 @@ from pipelines.core.checkpoints import list_checkpoints, load_checkpoint, save_c
 from pipelines.core.modeldir import LORA_MARKER
 from pipelines.core.records import Task, read_tasks
 from pipelines.errors import UserError
-from pipelines.rl.local_utils import TaskSampler, TokenSequence, sequence_logprobs
+from pipelines.rl.logprobs import TokenSequence, sequence_logprobs
 from pipelines.rl.rollouts import RLObserver
+from pipelines.rl.sampler import TaskSampler
 from pipelines.rl.strategy import Group, Rollout, Selection, Selector, broken_reason, stop_rates
 from pipelines.rundir import StageDir
 from pipelines.scoring.reward import RewardBreakdown, compute_reward

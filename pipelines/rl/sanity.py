@@ -56,7 +56,7 @@ def logprob_alignment(engine: Any, items: list[tuple[Task, Path]], samples: int 
     import torch
 
     from pipelines.agent.loop import run_episodes
-    from pipelines.rl.local_utils import TokenSequence, sequence_logprobs
+    from pipelines.rl.logprobs import TokenSequence, sequence_logprobs
 
     with engine.sampling():
         trajs = list(run_episodes(items, engine.policy, engine.recipe.agent, engine.recipe.sandbox,
@@ -96,7 +96,7 @@ def fixed_batch_check(recipe: Recipe, model: Any, processor: Any,
     from pipelines.config.loader import apply_overrides
     from pipelines.console import err
     from pipelines.rl.local import LocalEngine
-    from pipelines.rl.local_utils import TaskSampler
+    from pipelines.rl.sampler import TaskSampler
 
     recipe = type(recipe).model_validate(apply_overrides(
         recipe.model_dump(mode="json"),
@@ -139,7 +139,7 @@ def run_sanity(recipe: Recipe, model_path: str, task_dirs: list[str], *, prompts
     reward rose (the lower end of its paired 95% interval above zero)."""
     from pipelines.core.records import read_tasks
     from pipelines.rl.local import LocalEngine, load_policy_model
-    from pipelines.rl.local_utils import TaskSampler
+    from pipelines.rl.sampler import TaskSampler
 
     items: list[tuple[Task, Path]] = []
     for d in task_dirs:

@@ -10,5 +10,6 @@ Nothing here forks verl; each module fills one of verl's documented extension po
 - ``launch``: exports the data, writes the launch files and runs verl, streaming its metrics.
 
 Only ``launch`` and ``overrides`` run in the pyvision process; the other modules are imported by
-verl's Ray workers, in the interpreter of ``rl.verl.python``.
+verl's Ray workers, in the interpreter of ``rl.verl.python``. Why each is built the way it is:
+docs/verl-integration.md.
 """

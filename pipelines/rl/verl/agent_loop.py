@@ -1,68 +1,9 @@
 """PyVision's agent loop inside verl 0.9.1: the one loop of ``pipelines.agent.loop``, sampled by verl.
 
-verl instantiates :class:`PyVisionAgentLoop` once per trajectory from the agent-loop YAML that
-``pyvision rl --engine verl`` writes::
-
-    - name: pyvision_agent
-      _target_: pipelines.rl.verl.agent_loop.PyVisionAgentLoop
-      recipe: /abs/path/runs/<run-id>/rl/config.yaml
-
-(``hydra.utils.instantiate`` passes ``name`` and ``recipe`` as keyword arguments next to verl's
-own: trainer config, ``server_manager``, tokenizer, processor, ...). ``run()`` rebuilds the
-:class:`~pipelines.core.records.Task` from the row's ``extra_info.task`` and resolves its media
-against ``extra_info.media_root``; it never uses images verl may have loaded, so the prompt, the
-sandbox's runtime media and the limits are exactly those of the local engine and of evaluation.
-
-How the loop runs: ``run_episodes`` is a synchronous generator (the same code path for local RL
-and evaluation), so it runs in a worker thread (``run_in_executor``). Its policy,
-:class:`ServerPolicy`, keeps the context as exact token ids with :class:`ChatTokens` (the same
-boundaries as the transformers policy) and, for each turn, submits
-``server_manager.generate(...)`` to verl's event loop with ``asyncio.run_coroutine_threadsafe``
-and waits for it. verl's event loop is never blocked: sandbox calls, processor calls and the loop
-itself run in the thread; only the generation request runs on the event loop. One trajectory per
-``run()`` (verl already repeats each row ``rollout.n`` times), so the loop runs with one episode.
-The alternative, an async rewrite of the loop, would be a second loop to keep in step with the
-first; the thread costs one mostly-idle thread per live trajectory.
-
-Per turn: generation stops at ``</code>`` (``stop=["</code>"]``, ``include_stop_str_in_output``),
-the sandbox runs the code, the interpreter turn (text and images) is appended with mask 0 after
-the ``<|im_end|>`` that closes the assistant turn (verl's Qwen token builder expects assistant
-turns to end with ``<|im_end|>``; a turn stopped at ``</code>`` does not, so it is added here, mask
-0), and the model's tokens carry mask 1. The prompt and every interpreter turn are rendered by the
-processor with each image's pad run expanded, and ``multi_modal_data["images"]`` holds exactly
-the images of those runs, in order; the full list goes to the server on every turn under one
-request id. Images are resized for the context by our agent settings and every consumer (our
-processor call, the server, verl's post-processing) gets the same ``min_pixels``/``max_pixels``.
-
-Limits: ``agent.max_turns_train`` (verl does not tell a loop whether it is validating, so
-validation uses the training limit too), ``agent.max_images``, ``agent.max_context_tokens``, and a
-response budget of ``min(rl.max_response_tokens, rollout.response_length)``. The policy folds the
-response budget into the context count it reports, so the loop's one context check stops the
-trajectory (``context_overflow``) when either budget is spent; a response that overshoots (the
-final interpreter turn) is cut back to the last turn boundary within the budget
-(:func:`fit_response`): never inside a turn, so never inside an image's
-``<|vision_start|>...<|vision_end|>`` span, and images whose spans were cut are dropped with them.
-A prompt longer than ``rollout.prompt_length`` (its image tokens included) stops the trajectory
-at once with ``prompt_too_long``: the output is then a short text-only placeholder whose response
-carries no loss, the ranking sampler drops it and counts it, and the step goes on (a
-``ValueError`` from verl's padding would have killed it). Sampled vision special tokens (which a
-random or broken model can emit) end the turn before them, since a pad run without an image
-would break the server and training.
-
-With ``rl.mask_truncated`` (over-turn masking), a trajectory stopped by the turn or context
-limit gets an all-zero response mask: no loss, while its reward still counts in its group.
-``agent.code_temperature`` cannot be honoured here (vLLM samples a request at one temperature
-and verl's actor rescales every logit by ``rollout.temperature``), so the loop refuses it, as the
-launcher does at compose time.
-
-``extra_fields`` carry what the reward and the ranking need: ``tool_calls``,
-``successful_calls``, ``failed_calls``, ``num_turns`` (assistant turns), ``stop_reason`` (every
-trajectory has one: the ranking sampler turns them into ``stop/<reason>`` rates per step),
-``final_answer``, ``answer_chars``, ``produced_image``, ``well_formed``, ``masked`` and a few
-diagnostics.
-verl's naive reward manager merges them into ``extra_info``, then overwrites ``num_turns`` there
-with ``AgentLoopOutput.num_turns``, which counts messages (prompt, assistant and interpreter
-turns) as verl's own loops do; ``assistant_turns`` keeps our count under a name it leaves alone.
+verl instantiates :class:`PyVisionAgentLoop` once per trajectory from the agent-loop YAML the
+launcher writes. How the loop runs beside verl's event loop, its token and image bookkeeping, its
+limits and the fields it hands the reward and the ranking: docs/verl-integration.md
+("agent_loop.py").
 """
 
 from __future__ import annotations

@@ -1,33 +1,8 @@
 """``pyvision rl --engine verl``: export the data, write the launch files, run verl, stream metrics.
 
-Everything is written into the RL stage directory ``runs/<run-id>/rl/`` first, so the run can be
-read, repeated by hand (``bash launch.sh``) or started from another machine:
-
-    config.yaml          the resolved recipe (the agent loop and the reward read it)
-    data/train.parquet   the RL prompts (pipelines/data/export_verl.py); train_val.parquet when
-                         there are validation tasks (rl.verl.val_tasks, else the data stage's
-                         held-out synthetic sets)
-    agent_loop.yaml      verl's agent-loop registry entry for pipelines.rl.verl.agent_loop
-    launch.sh            the exact command: `<rl.verl.python> -m verl.trainer.main_ppo <overrides>`
-    verl.log             everything verl printed
-    verl_metrics.jsonl   verl's file logger, one line per step (streamed into the store)
-    checkpoints/         verl's checkpoints (global_step_N/actor), read by `pyvision merge`
-
-``--dry-run`` stops after writing these files and returns the command. It records the resolved
-recipe as the stage's ``config.yaml`` (the launch files point there), so, as for any re-run with
-another config, a later real run with a different config is refused until ``--force``; once the
-stage has begun, a dry run never rewrites that record. Otherwise the interpreter
-is checked first (verl 0.9.1 with the rollout backend and TransferQueue, without importing them),
-then verl runs as a subprocess under ``rl.verl.python`` (its own GPU environment: ``verl[vllm]``
-cannot share one with LLaMA-Factory) with ``RAY_ADDRESS`` set when ``rl.verl.ray_address`` is.
-Each line verl's file logger appends becomes one step of metrics in the store, under verl's names
-plus the local engine's names for the report's curves (``loss``, ``grad_norm``, ``entropy``); the
-sampler's own metrics already use the local engine's names. A failure prints the log's tail and
-names the full log.
-
-A fresh run (no ``--resume``) starts clean: old checkpoints and the stage's metrics are removed.
-``--resume`` keeps the exported data (the dataloader state in the checkpoint indexes it), lets verl
-continue from its latest checkpoint, and forgets the store's metrics after that step.
+Everything is written into ``runs/<run-id>/rl/`` first, so the run can be read, repeated by hand
+(``bash launch.sh``) or started from another machine. The files, ``--dry-run``, ``--resume`` and
+how metrics reach the store: docs/verl-integration.md ("launch.py").
 """
 
 from __future__ import annotations
@@ -219,7 +194,7 @@ def latest_checkpoint_step(checkpoints: Path) -> int | None:
 def launch_verl(recipe: Recipe, sd: StageDir, *, model: str, task_dirs: list[Path],
                 resume: bool = False, dry_run: bool = False,
                 show_progress: bool = True) -> dict[str, Any]:
-    """Write the launch files and, unless ``dry_run``, run verl; see the module docstring."""
+    """Write the launch files and, unless ``dry_run``, run verl; docs/verl-integration.md."""
     paths = VerlPaths(sd.path)
     if not dry_run and not resume and paths.checkpoints.exists():
         shutil.rmtree(paths.checkpoints)  # a fresh run must not leave an older run's steps behind

@@ -1,44 +1,8 @@
 """A recipe as the complete Hydra override list of ``python -m verl.trainer.main_ppo`` (verl 0.9.1).
 
 Every setting the method depends on is written out, even where verl's default already agrees, so
-the launch script in the run directory says what ran. The paper's values come from the recipe:
-
-- GRPO without std normalisation (``algorithm.adv_estimator=grpo``,
-  ``algorithm.norm_adv_by_std_in_grpo=False``), no KL (``use_kl_loss`` only when
-  ``rl.algorithm.kl_coef > 0``; no in-reward KL), entropy coefficient 0, PPO clip 0.2/0.2,
-  ``token-mean`` loss aggregation, constant learning rate 1e-6, frozen vision tower
-  (``actor_rollout_ref.actor.freeze_vision_tower``).
-- Multi-turn agent rollouts: ``rollout.mode=async``, ``multi_turn.enable``, our agent loop
-  registered through the YAML the launcher writes (``agent.agent_loop_config_path``) and chosen
-  by default (``agent.default_agent_loop=pyvision_agent``), at most ``agent.max_turns_train``
-  assistant turns, a ``max_model_len`` of ``agent.max_context_tokens``, up to ``agent.max_images``
-  images per prompt.
-- The reward entry (``pkg://pipelines.rl.verl.reward``) with the run's recipe as a reward kwarg,
-  through verl's ``naive`` reward manager (the one that passes the loop's ``extra_fields``).
-- The oversample-filter-rank strategy as the v1 trainer's custom sampler
-  (``pkg://pipelines.rl.verl.ranking``), its settings in ``sampler_kwargs``; verl's own DAPO
-  filter off. ``data.gen_batch_size`` divides both the batch and the oversampled extra, so the
-  sampler can ask for exactly the prompts it needs.
-- Batch sizes in prompts: ``data.train_batch_size = rl.prompts_per_step``,
-  ``actor.ppo_mini_batch_size = rl.mini_batch_prompts`` (verl multiplies by ``rollout.n``);
-  dynamic micro-batches bounded by prompt + response tokens.
-- Cluster and bookkeeping: nodes and GPUs per node, checkpoints under ``<run>/rl/checkpoints``
-  (what ``pyvision merge --engine verl`` reads), ``trainer.logger=[console,file]`` with the file
-  logger's JSONL at a known path (the launcher streams it into the store), resume mode, and
-  a Ray runtime environment that lets every worker import this package.
-
-- Options: ``rl.lora`` becomes verl's FSDP LoRA (``actor_rollout_ref.model.lora_rank``,
-  ``lora_alpha``, ``target_modules``, the vision tower excluded with ``exclude_modules``, and the
-  adapter-friendly weight sync verl documents: ``rollout.load_format=safetensors``,
-  ``rollout.layered_summon=True``); ``rl.mask_truncated`` and
-  ``rl.strategy.zero_variance_basis`` are the agent loop's and the sampler's own (nothing to
-  set in verl); ``agent.code_temperature`` is refused here, with the reason
-  (:data:`CODE_TEMPERATURE_UNSUPPORTED`).
-
-``+key=value`` adds a key verl's YAML does not declare but its code reads: ``rollout.limit_images``
-(a ``RolloutConfig`` field), ``custom_reward_function.reward_kwargs`` and
-``sampler_kwargs.*`` (passed to our functions), ``ray_kwargs.ray_init.runtime_env.env_vars.*``.
-``rl.verl.extra_overrides`` are appended last, verbatim (a later override of the same key wins).
+the launch script in the run directory says what ran. Which settings and why:
+docs/verl-integration.md ("overrides.py").
 """
 
 from __future__ import annotations
@@ -167,7 +131,7 @@ def lora_overrides(recipe: Recipe) -> list[Override]:
 
 def render(recipe: Recipe, *, model: str, paths: VerlPaths, has_val: bool,
            resume: bool) -> list[Override]:
-    """The overrides as (key, value) pairs; see the module docstring for what and why."""
+    """The overrides as (key, value) pairs; what and why: docs/verl-integration.md."""
     rl, agent, verl, algo = recipe.rl, recipe.agent, recipe.rl.verl, recipe.rl.algorithm
     if agent.code_temperature is not None:
         raise UserError(CODE_TEMPERATURE_UNSUPPORTED,

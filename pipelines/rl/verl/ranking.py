@@ -1,58 +1,9 @@
 """The PyVision rollout strategy inside verl 0.9.1: oversample, filter, rank, as the v1 trainer's
 custom sampler (``trainer.v1.sampler.custom_sampler``).
 
-Why here, and not the legacy trainer. verl 0.9.1 offers two places to choose a step's groups:
-
-- The v1 trainer (the default, ``trainer.use_v1=true``) asks a ``ReplayBuffer`` for each step's
-  batch. By then every trajectory is finished and rewarded: the reward runs inside the
-  agent-loop workers and lands in TransferQueue with the trajectory. The buffer sees whole groups
-  (keys ``{uid}_{session}_{index}``), can submit more prompts through ``refill_fn``, and chooses
-  which groups become the batch; advantages are computed afterwards. Its extension point is a
-  ``ReplayBuffer`` subclass named by ``trainer.v1.sampler.custom_sampler.{path,name}`` and
-  configured through ``sampler_kwargs``. The built-in DAPO filter (``algorithm.filter_groups``)
-  lives in the same class, which is why it is off: this class does the filtering.
-- The legacy trainer (``trainer.use_v1=false``, ``main_ppo_v0``) is deprecated in 0.9.1 and its
-  ``RayPPOTrainer.fit`` has no dynamic-sampling loop left at all (``algorithm.filter_groups`` is
-  not read there); ranking there would mean subclassing and copying its training loop, i.e. a fork.
-
-So: a ``ReplayBuffer`` subclass, no verl code copied or patched.
-
-One training step (sync trainer, the only mode this supports: it ranks one step's whole
-oversampled generation, which the async modes never have in hand):
-
-1. The trainer submits ``train_batch_size`` prompts; on its first ``sample()`` call of the step
-   this class submits the rest of ``ceil(oversample_factor x train_batch_size)`` (in whole
-   dataloader fetches of ``gen_batch_size``).
-2. It waits until no prompt of the step is pending or running, then reads each finished group's
-   rewards (``rm_scores``) and the agent loop's ``extra_fields`` (stop reason, final answer,
-   whether an image was produced) and builds :class:`~pipelines.rl.strategy.Group` objects.
-3. :func:`~pipelines.rl.strategy.select_groups`, the local engine's function, filters
-   (zero variance, broken trajectories, optionally no image) and ranks by reward std, whole groups,
-   ties by dataset index then uid, so the choice does not depend on arrival order.
-4. If fewer than ``train_batch_size`` groups survive, it submits
-   ``ceil(oversample_factor x missing)`` more prompts and selects again over everything generated
-   in the step, up to ``max_rounds`` rounds (the local engine's bound); then it trains on what it
-   has (verl pads the batch with no-op samples). No survivor at all is an error that names the
-   knobs.
-5. The kept groups (without their dropped rollouts) become the batch; everything else generated in
-   the step is removed from TransferQueue.
-
-Validation batches go through verl's own ``ReplayBuffer.sample`` unchanged. verl's rollout-replay
-cache for the v1 trainer (``skip.rollout_tq``) is not supported with this sampler.
-
-Each step's metrics carry the kept and dropped counts by reason under the local engine's names
-(``strategy/kept_groups``, ``strategy/dropped_zero_variance``, ``strategy/dropped_broken_<r>``,
-``strategy/dropped_rank_cut``, ...) and the rollout statistics of everything generated
-(``reward/mean``, ``reward/accuracy``, ``reward/tool``, ``accuracy``, ``tool_calls/mean``,
-``turns/mean``, ``stop/<reason>``), so reports read both engines alike.
-
-One difference from the local engine, forced by where verl computes advantages: verl computes
-GRPO advantages over the trajectories in the batch, after sampling, so when broken rollouts are
-dropped from a kept group, the survivors' advantages are taken against the survivors' mean (the
-local engine uses the whole group's). The two agree whenever no rollout of a kept group is
-broken. verl's GRPO gives a group with a single trajectory that trajectory's raw reward as its
-advantage (it sets the mean to 0), so a group left with one rollout is dropped here and counted as
-``strategy/dropped_single_rollout``.
+Why the v1 trainer's ``ReplayBuffer``, one training step round by round, the metrics, and the one
+difference from the local engine (advantages over a kept group's survivors):
+docs/verl-integration.md ("ranking.py").
 """
 
 from __future__ import annotations
@@ -152,7 +103,8 @@ def choose(groups: list[GroupData], target: int, cfg: StrategyConfig) -> Choice:
     """Filter and rank ``groups`` with :func:`select_groups`; keep at most ``target`` groups.
 
     Groups that the filters would leave with a single rollout are set aside before the ranking
-    (see the module docstring), so they never take a place in the batch from a usable group.
+    (docs/verl-integration.md, "ranking.py"), so they never take a place in the batch from a
+    usable group.
     """
     strategy_groups = [Group(prompt_index=i, task_id=g.uid, rollouts=[s.rollout() for s in g.sessions])
                        for i, g in enumerate(groups)]

@@ -1,35 +1,9 @@
 """verl's ``custom_reward_function``: the PyVision reward, term by term.
 
-verl's reward workers import this module (``reward.custom_reward_function.path=
-pkg://pipelines.rl.verl.reward``, ``name=compute_score``) and, through the ``naive`` reward
-manager, call::
-
-    compute_score(data_source=..., solution_str=..., ground_truth=..., extra_info=...,
-                  recipe=<run>/rl/config.yaml)
-
-``recipe`` comes from ``reward.custom_reward_function.reward_kwargs`` (verl 0.9.1 merges those
-kwargs into every call); the launcher sets it to the run's resolved config, so the reward settings
-and the judge endpoint are the run's own. ``extra_info`` is the parquet row's ``extra_info``
-(``task``, ``media_root``, ...) into which the naive manager has merged the agent loop's
-``extra_fields`` (``final_answer``, ``well_formed``, ``answer_chars``, ``successful_calls``, ...).
-
-The reward is :func:`pipelines.scoring.reward.compute_reward`, the local engine's: accuracy from the
-shared verifiers (the benchmarks' scorers), the judge first for the answer types in
-``reward.judge.use_for`` when ``reward.judge.base_url`` is set (an unreachable judge falls back to
-the rule verifier and is counted), the accumulative tool reward only when correct, and the
-answer-length guard on the whole reward. The task (answer type, options, metric) comes from
-``extra_info.task``; ``ground_truth`` is its answer and is not used on its own.
-
-When the loop's fields are missing (a row rolled out by another loop), the answer is parsed from
-``solution_str`` with the protocol's parser, ignoring ``<interpreter>`` blocks (code output is not
-the model's answer), and successful calls are the interpreter turns without an ``Error (``
-report; ``parsed_from_text`` records that this happened.
-
-The returned dict has the same float-valued keys for every sample (verl stacks them into
-arrays and averages them in its validation metrics); ``score`` is the reward.
-
-The judge's answers are cached in memory per worker process, not in the store: the store is one
-DuckDB file that dozens of reward workers on several nodes must not write to.
+verl's reward workers call :func:`compute_score` with the run's recipe as a reward kwarg; the
+reward is the local engine's (:func:`pipelines.scoring.reward.compute_reward`). What verl passes
+in, the fallback when the loop's fields are missing, and why the judge cache is per worker:
+docs/verl-integration.md ("reward.py").
 """
 
 from __future__ import annotations
@@ -77,7 +51,7 @@ def _from_text(solution_str: str) -> tuple[str | None, int, bool, int]:
 def compute_score(data_source: str, solution_str: str, ground_truth: str,
                   extra_info: dict[str, Any] | None = None, *, recipe: str | None = None,
                   **_: Any) -> dict[str, float]:
-    """The reward of one trajectory and its terms (see the module docstring)."""
+    """The reward of one trajectory and its terms (docs/verl-integration.md, "reward.py")."""
     extra = dict(extra_info or {})
     recipe = recipe or os.environ.get(RECIPE_ENV)
     if not recipe:

@@ -1,61 +1,12 @@
-"""Building blocks of the local RL engine that do not depend on how rollouts are produced.
-
-- :class:`TaskSampler`: a deterministic, resumable stream of prompts (a new permutation per
-  epoch, derived from the seed and the epoch number, so a resumed run draws the same prompts).
-- :func:`sequence_logprobs`: per-token log-probabilities (and entropies) of whole trajectories
-  under a Qwen2.5-VL policy, images included, for the positions the model generated.
-Checkpoints (weights, optimizer, sampler, RNG state) are :mod:`pipelines.core.checkpoints`.
+"""Per-token log-probabilities of whole trajectories under a Qwen2.5-VL policy, images included:
+the forward pass behind the local engine's PPO update and the RL sanity checks.
 """
 
 from __future__ import annotations
 
-import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
-
-
-@dataclass
-class TaskSampler:
-    """Draws prompts without replacement within an epoch, in a seeded order."""
-
-    n_items: int
-    seed: int
-    epoch: int = 0
-    position: int = 0
-    _order: list[int] = field(default_factory=list, repr=False)
-
-    def __post_init__(self) -> None:
-        if self.n_items <= 0:
-            raise ValueError("TaskSampler needs at least one item")
-        self._order = self._permutation(self.epoch)
-
-    def _permutation(self, epoch: int) -> list[int]:
-        order = list(range(self.n_items))
-        random.Random(f"{self.seed}:{epoch}").shuffle(order)
-        return order
-
-    def draw(self, k: int) -> list[int]:
-        out = []
-        while len(out) < k:
-            if self.position >= self.n_items:
-                self.epoch += 1
-                self.position = 0
-                self._order = self._permutation(self.epoch)
-            out.append(self._order[self.position])
-            self.position += 1
-        return out
-
-    def state_dict(self) -> dict[str, int]:
-        return {"n_items": self.n_items, "seed": self.seed, "epoch": self.epoch,
-                "position": self.position}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        if state["n_items"] != self.n_items:
-            raise ValueError(f"checkpoint sampled {state['n_items']} prompts, this run has "
-                             f"{self.n_items}")
-        self.seed, self.epoch, self.position = state["seed"], state["epoch"], state["position"]
-        self._order = self._permutation(self.epoch)
 
 
 @dataclass

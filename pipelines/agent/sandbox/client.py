@@ -1,0 +1,351 @@
+"""The :class:`Sandbox` a trajectory talks to, and the :class:`ExecResult` of each call.
+
+A sandbox is a worker forked by the zygote (``zygote_host.py``); the host sends it the task's
+media and then code, over a socket of length-prefixed frames, and reads back a JSON header and the
+shown images. The worker's output buffer is memory both sides share, so a call that times out or
+crashes still returns what the code printed before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import socket
+import struct
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, Literal, Self
+
+from pipelines.agent.sandbox._zygote import output_buffer_size, render_output
+from pipelines.agent.sandbox.isolation import isolation_mode
+from pipelines.agent.sandbox.media import (
+    MAX_IMAGE_BYTES,
+    SHOWN_IMAGE_MAX_PIXELS,
+    frame_from_pixels,
+    image_media,
+    video_bytes,
+)
+from pipelines.agent.sandbox.zygote_host import zygote_for
+from pipelines.config.sandbox import SandboxConfig
+from pipelines.errors import UserError
+
+Status = Literal["ok", "error", "timeout", "oom", "crashed"]
+MAX_HEADER_BYTES = 64 * 1024 * 1024
+# A worker that cannot load its media writes one stderr line "sandbox worker <id>: <reason>" and
+# exits with this code (as in _zygote.py, which cannot import this package).
+SETUP_FAILED_EXIT = 72
+SIGNAL_NAMES = {4: "SIGILL", 6: "SIGABRT", 7: "SIGBUS", 8: "SIGFPE", 9: "SIGKILL",
+                11: "SIGSEGV", 24: "SIGXCPU", 25: "SIGXFSZ"}
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    """The outcome of one code call.
+
+    ``frames`` are the shown images as RGB PIL images, already at the size the model sees them
+    when the sandbox was given ``context_pixels``; they crossed from the sandbox as raw pixels.
+    ``images`` are the same as PNG bytes, encoded on first use (files, JSON, thumbnails): the
+    agent loop never pays for it."""
+
+    status: Status
+    stdout: str
+    stderr: str
+    frames: list[Any] = field(default_factory=list)
+    duration_s: float = 0.0
+    truncated: bool = False
+
+    @cached_property
+    def images(self) -> list[bytes]:
+        out = []
+        for img in self.frames:
+            buf = io.BytesIO()
+            img.save(buf, format="PNG")
+            out.append(buf.getvalue())
+        return out
+
+    def to_json(self, image_paths: list[str] | None = None) -> dict[str, Any]:
+        """JSON-ready dict; images as the given file paths (or their sizes)."""
+        return {"status": self.status, "stdout": self.stdout, "stderr": self.stderr,
+                "images": list(image_paths) if image_paths is not None
+                else [f"<image {img.width}x{img.height}>" for img in self.frames],
+                "duration_s": round(self.duration_s, 4), "truncated": self.truncated}
+
+
+class SandboxSetupError(UserError):
+    """The sandbox could not load a task's media (decord missing, a video it cannot open)."""
+
+
+def _send_frame(sock: socket.socket, payload: bytes) -> None:
+    sock.sendall(struct.pack(">I", len(payload)) + payload)
+
+
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
+    """``n`` bytes; with ``deadline`` (monotonic) a TimeoutError once it passes, however the
+    bytes trickle in (the code can write to its end of the socket)."""
+    buf = bytearray()
+    while len(buf) < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            sock.settimeout(left)
+        chunk = sock.recv(min(n - len(buf), 1 << 20))
+        if not chunk:
+            raise EOFError
+        buf += chunk
+    return bytes(buf)
+
+
+class _FrameReader:
+    """A running sandbox's socket, non-blocking, every wait bounded by a deadline: a call costs a
+    ``send``, a ``poll`` and (with the read-ahead buffer) usually one ``recv``. Made after the
+    output buffer's descriptor was received (a buffered read would swallow it)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        import select
+
+        self.sock = sock
+        self.buf = bytearray()
+        sock.setblocking(False)
+        self.poll = select.poll()
+        self.poll.register(sock, select.POLLIN)
+
+    def _wait(self, deadline: float) -> None:
+        left = deadline - time.monotonic()
+        if left <= 0 or not self.poll.poll(max(1, int(left * 1000) + 1)):
+            raise TimeoutError
+
+    def send(self, payload: bytes, deadline: float) -> None:
+        import select
+
+        data = memoryview(struct.pack(">I", len(payload)) + payload)
+        while data:
+            try:
+                data = data[self.sock.send(data):]
+            except BlockingIOError:
+                left = deadline - time.monotonic()
+                if left <= 0 or not select.select([], [self.sock], [], left)[1]:
+                    raise TimeoutError from None
+
+    def _take(self, n: int, deadline: float) -> bytes:
+        while len(self.buf) < n:
+            self._wait(deadline)  # poll first: the reply is rarely there already
+            try:
+                chunk = self.sock.recv(max(n - len(self.buf), 65536))
+            except BlockingIOError:
+                continue
+            if not chunk:
+                raise EOFError
+            self.buf += chunk
+        out = bytes(self.buf[:n])
+        del self.buf[:n]
+        return out
+
+    def frame(self, limit: int, deadline: float) -> bytes:
+        (n,) = struct.unpack(">I", self._take(4, deadline))
+        if n > limit:
+            raise ValueError(f"sandbox sent a {n}-byte frame (limit {limit})")
+        return self._take(n, deadline)
+
+
+def _recv_frame(sock: socket.socket, limit: int, deadline: float | None = None) -> bytes:
+    (n,) = struct.unpack(">I", _recv_exact(sock, 4, deadline))
+    if n > limit:
+        raise ValueError(f"sandbox sent a {n}-byte frame (limit {limit})")
+    return _recv_exact(sock, n, deadline)
+
+
+class Sandbox:
+    """A persistent, isolated Python runtime for one trajectory."""
+
+    def __init__(self, config: SandboxConfig | None = None, *,
+                 images: Mapping[str, Any] | None = None,
+                 videos: Mapping[str, Any] | None = None,
+                 context_pixels: tuple[int, int] | None = None,
+                 context_factor: int = 28) -> None:
+        """``context_pixels`` (min, max): shown images come back already at the size the model
+        sees them (the vision processor's resize rule, sides multiples of ``context_factor``),
+        figures drawn at about that size."""
+        self.config = config or SandboxConfig()
+        self.context_pixels = context_pixels
+        self.context_factor = context_factor
+        # Bad media is reported before anything runs.
+        self._media: list[tuple[dict, bytes]] = []
+        for name, value in (images or {}).items():
+            self._media.append(image_media(name, value))
+        for name, value in (videos or {}).items():
+            data, suffix = video_bytes(name, value)
+            self._media.append(({"name": name, "kind": "video", "suffix": suffix}, data))
+        self._mode = isolation_mode(self.config)
+        self._zygote = zygote_for(self._mode)
+        self._sock: socket.socket | None = None
+        self._output_fd: int | None = None
+        self._sid = ""
+        self._restarted = False
+        self._closed = False
+        self._start()
+
+    @property
+    def isolation(self) -> Literal["bwrap", "rlimit"]:
+        return self._mode
+
+    def _limits(self) -> dict:
+        c = self.config
+        media_mb = sum(len(b) for _, b in self._media) // (1024 * 1024)
+        return {"memory_mb": c.memory_mb, "cpu_seconds": c.cpu_seconds,
+                "max_processes": c.max_processes, "max_file_mb": c.max_file_mb,
+                "max_open_files": c.max_open_files, "max_output_chars": c.max_output_chars,
+                "max_images_per_call": c.max_images_per_call,
+                "max_image_pixels": SHOWN_IMAGE_MAX_PIXELS, "max_image_bytes": MAX_IMAGE_BYTES,
+                "context_pixels": ([*self.context_pixels, self.context_factor]
+                                   if self.context_pixels else None),
+                "tmp_mb": c.max_file_mb * 2 + media_mb + 16}
+
+    def _start(self) -> None:
+        self._sid = uuid.uuid4().hex
+        sock = self._zygote.spawn(self._sid, self._limits())
+        sock.settimeout(max(self.config.timeout_s, 30.0))
+        try:
+            _send_frame(sock, json.dumps({"media": [spec for spec, _ in self._media]}).encode())
+            for _, blob in self._media:
+                _send_frame(sock, blob)
+            ready = json.loads(_recv_frame(sock, 1 << 16))
+            if not ready.get("ready"):
+                raise RuntimeError("sandbox worker did not become ready")
+            # The worker's output buffer, shared before any code runs (see _zygote.BoundedText).
+            tag, fds, _, _ = socket.recv_fds(sock, 1, 1, socket.MSG_CMSG_CLOEXEC)
+            if tag != b"o" or len(fds) != 1:
+                for fd in fds:
+                    os.close(fd)
+                raise EOFError
+            self._output_fd = fds[0]
+            self._frames = _FrameReader(sock)
+        except (OSError, EOFError, ValueError) as exc:
+            # A worker that hung up has exited (or is about to): read its exit code before a
+            # kill would replace it with SIGKILL.
+            info = self._zygote.wait_exit(self._sid, 1.0) if isinstance(exc, EOFError) else None
+            if info is None:
+                self._zygote.kill(self._sid)
+                info = self._zygote.wait_exit(self._sid, 2.0)
+            reason = self._zygote.worker_failure(self._sid, 0.5)
+            if reason or (info and info.get("code") == SETUP_FAILED_EXIT):
+                raise SandboxSetupError(
+                    reason or "the sandbox could not load its media",
+                    hint="install decord==0.6.0 for the Python that runs pyvision and check the "
+                         "video file; `pyvision doctor` checks the sandbox") from None
+            raise RuntimeError(f"sandbox failed to start ({exc}; exit {info}); zygote log: "
+                               + " | ".join(self._zygote.stderr_tail[-5:])) from None
+        self._sock = sock
+
+    def run(self, code: str) -> ExecResult:
+        """Run ``code`` in the persistent runtime; never raises for anything the code does."""
+        if self._closed:
+            raise RuntimeError("sandbox is closed")
+        note = ""
+        if self._sock is None:
+            self._start()
+            note = ("[sandbox: the runtime was restarted after the previous call failed; "
+                    "variables defined earlier are gone, the media are loaded again]\n")
+        sock = self._sock
+        assert sock is not None
+        start = time.monotonic()
+        try:
+            deadline = start + self.config.timeout_s
+            self._frames.send(json.dumps({"type": "run", "code": code}).encode(), deadline)
+            header = json.loads(self._frames.frame(MAX_HEADER_BYTES, deadline))
+            if not isinstance(header, dict):
+                raise ValueError("bad reply")  # noqa: TRY004 - handled as a crash below
+            specs = header.get("images", [])
+            if not isinstance(specs, list) or len(specs) > self.config.max_images_per_call:
+                raise ValueError("bad image list")
+            sent_by = time.monotonic() + max(self.config.timeout_s, 30.0)
+            blobs = [self._frames.frame(MAX_IMAGE_BYTES, sent_by) for _ in specs]
+        except TimeoutError:
+            self._kill()
+            t = self.config.timeout_s
+            return self._failed("timeout", f"TimeoutError: killed after {t:g} s: the code ran "
+                                f"longer than the {t:g} s limit and was stopped (with every "
+                                "process it started)", note, start)
+        except (EOFError, OSError, ValueError) as exc:
+            info = self._zygote.wait_exit(self._sid, 2.0) or {}
+            self._kill()
+            return self._crash_result(info, exc, note, start)
+        status = header.get("status")
+        if status not in ("ok", "error", "oom"):
+            status = "crashed"
+        frames = [img for img in map(frame_from_pixels, specs, blobs) if img is not None]
+        dropped = len(specs) - len(frames)
+        stderr = str(header.get("stderr", ""))
+        if dropped:
+            stderr += f"\n[sandbox: {dropped} invalid image(s) dropped]"
+        return ExecResult(status, note + str(header.get("stdout", "")), stderr, frames,
+                          float(header.get("duration_s", time.monotonic() - start)),
+                          bool(header.get("truncated", False)))
+
+    def _failed(self, status: Status, reason: str, note: str, start: float) -> ExecResult:
+        """The result of a call whose process is gone: what the code printed before (from the
+        shared output buffer, bounded), then the reason."""
+        stdout, truncated = self._printed_before()
+        return ExecResult(status, note + stdout, reason, [], time.monotonic() - start, truncated)
+
+    def _printed_before(self) -> tuple[str, bool]:
+        fd, self._output_fd = self._output_fd, None
+        if fd is None:
+            return "", False
+        limit = self.config.max_output_chars
+        try:
+            return render_output(os.pread(fd, output_buffer_size(limit), 0), limit)
+        except OSError:
+            return "", False
+        finally:
+            os.close(fd)
+
+    def _crash_result(self, info: dict, exc: Exception, note: str, start: float) -> ExecResult:
+        sig = info.get("signal")
+        if sig == 24:  # SIGXCPU: the CPU-seconds rlimit
+            return self._failed("timeout", f"TimeoutError: killed after using "
+                                f"{self.config.cpu_seconds} CPU seconds (the sandbox's CPU "
+                                "limit)", note, start)
+        if sig == 9 and info:
+            return self._failed("oom", f"MemoryError: the sandbox process was killed by SIGKILL, "
+                                f"most likely for exceeding the memory limit "
+                                f"({self.config.memory_mb} MiB)", note, start)
+        what = (f"was killed by {SIGNAL_NAMES.get(sig, f'signal {sig}')}" if sig
+                else f"exited with code {info.get('code')}" if info else f"was lost ({exc})")
+        return self._failed("crashed", f"The Python runtime crashed: it {what}. It will be "
+                            "restarted on the next call, without earlier variables.", note, start)
+
+    def _kill(self, wait: bool = True) -> None:
+        self._zygote.kill(self._sid)
+        if wait:  # after a timeout: make sure it is gone before a restart
+            self._zygote.wait_exit(self._sid, 2.0)
+        self._zygote.forget(self._sid)
+        if self._sock is not None:
+            self._sock.close()
+        self._sock = None
+
+    def close(self) -> None:
+        """End the sandbox and every process it started (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._sock is not None:
+            self._kill(wait=False)
+        if self._output_fd is not None:
+            os.close(self._output_fd)
+            self._output_fd = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # interpreter shutdown
+            self.close()

@@ -1,0 +1,196 @@
+"""How the sandbox is confined: the isolation mode and the bubblewrap command line.
+
+What is isolated (``isolation: bwrap``, the default where bubblewrap works)
+- The zygote runs under bubblewrap in new pid, network, IPC and UTS namespaces, as an unprivileged
+  uid (65534; a root host is dropped to it so the kernel enforces the process limit), with an
+  empty environment (no secrets), a new session (no terminal injection), and a filesystem that
+  holds only the Python runtime and system libraries, read-only, plus ``/dev`` basics and a tmpfs.
+  The host's home, the project, the data and every other file are simply absent.
+- Each sandbox then leaves the zygote's namespaces: its own user, mount, pid, network, IPC and UTS
+  namespaces, a private size-limited ``/tmp``, an empty ``/proc``, all capabilities dropped,
+  ``no_new_privs``, non-dumpable. It cannot see, signal, trace or connect to other sandboxes, the
+  zygote or the host process; it has no network interface but a down loopback.
+- rlimits per sandbox: address space (``oom``), CPU seconds, processes, file size, open files, no
+  core dumps. A wall-clock timeout kills the sandbox's pid 1, which takes every process it
+  started with it (double-forked daemons included).
+- Media reaches the sandbox as bytes over its socket and is decoded inside it, so a malicious image
+  or video is parsed by the sandboxed process, not by the host.
+
+What is not isolated
+- The kernel is shared (a kernel exploit escapes; there is no seccomp filter).
+- CPU time is limited per sandbox but not scheduled fairly between sandboxes; the host's memory is
+  only protected by the per-sandbox address-space limit (no cgroup memory accounting).
+- Images returned by the code are checked (raw RGB pixels whose byte count matches their
+  bounded size; nothing is decoded on the host) but are the code's choice: it can show the model
+  anything it can draw.
+
+Without bubblewrap (``isolation: rlimit``, or ``auto`` when bwrap is missing or cannot create
+namespaces) only the rlimits, a process-group kill and a temporary working directory apply, and a
+loud warning says so: that mode is **no security boundary** (the code can read the user's files
+and reach the network).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import warnings
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+from pipelines.config.sandbox import SandboxConfig
+from pipelines.errors import UserError
+
+# Where the zygote script is mounted inside the sandbox.
+SANDBOX_ZYGOTE_PATH = "/opt/pyvision/zygote.py"
+
+
+@lru_cache(maxsize=1)
+def bwrap_available() -> bool:
+    """True when bubblewrap exists and can create the namespaces the sandbox uses."""
+    path = shutil.which("bwrap")
+    if not path:
+        return False
+    try:
+        proc = subprocess.run([path, *(bwrap_args()), "--", sys.executable, "-I", "-c", "0"],
+                              capture_output=True, timeout=30, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return proc.returncode == 0
+
+
+_warned_rlimit = False
+
+
+def isolation_mode(config: SandboxConfig | None = None) -> Literal["bwrap", "rlimit"]:
+    """What ``config.isolation`` resolves to on this machine."""
+    global _warned_rlimit
+    cfg = config or SandboxConfig()
+    if cfg.isolation == "rlimit":
+        mode = "rlimit"
+    elif bwrap_available():
+        mode = "bwrap"
+    elif cfg.isolation == "bwrap":
+        raise UserError("sandbox isolation 'bwrap' was requested but bubblewrap is missing or "
+                        "cannot create namespaces here",
+                        hint="apt-get install bubblewrap (and enable user namespaces), or set "
+                             "sandbox.isolation=auto to accept the unsafe rlimit fallback")
+    else:
+        mode = "rlimit"
+    if mode == "rlimit" and not _warned_rlimit:
+        _warned_rlimit = True
+        installed = shutil.which("bwrap") is not None
+        if cfg.isolation == "rlimit":
+            why = "sandbox.isolation=rlimit was chosen"
+            fix = ("bubblewrap is installed: use" if installed else "install bubblewrap "
+                   "(apt-get install bubblewrap) and use") + " isolation auto or bwrap instead"
+        elif installed:
+            why = "bubblewrap is installed but cannot create namespaces here"
+            fix = "enable unprivileged user namespaces for real isolation"
+        else:
+            why = "bubblewrap is not installed"
+            fix = "install it (apt-get install bubblewrap) for real isolation"
+        msg = (f"SANDBOX IS NOT A SECURITY BOUNDARY: {why}, so model-written code runs with "
+               f"rlimits only and can read your files and reach the network; {fix}.")
+        warnings.warn(msg, RuntimeWarning, stacklevel=2)
+        from pipelines.console import err
+
+        err.print(f"[bold red]WARNING:[/] {msg}")
+    return mode
+
+
+# What the runtime preloads (see _zygote._preload); their import roots must reach the zygote.
+PRELOADED_MODULES = ("numpy", "matplotlib", "PIL", "scipy", "decord")
+
+
+def import_roots() -> list[str]:
+    """The import-path folders the sandboxed interpreter needs, in this process's order.
+
+    The zygote runs ``python -I``, which ignores PYTHONPATH, so libraries installed outside the
+    interpreter's own site-packages (``pip install --target`` folders on PYTHONPATH, a cluster's
+    module system) would be missing inside. These are the site folders on ``sys.path`` plus the
+    folders that hold the preloaded libraries; never the checkout or the working directory.
+    """
+    needed: set[str] = set()
+    for name in PRELOADED_MODULES:
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            spec = None
+        if spec is None or not spec.origin:
+            continue
+        where = os.path.dirname(os.path.realpath(spec.origin))
+        needed.add(os.path.dirname(where) if spec.submodule_search_locations else where)
+    roots: list[str] = []
+    for p in sys.path:
+        real = os.path.realpath(p) if p else ""
+        if (real and os.path.isdir(real) and real not in roots
+                and ("-packages" in real or real in needed)):
+            roots.append(real)
+    return roots
+
+
+def _runtime_paths() -> list[str]:
+    """Folders the sandboxed interpreter needs, read-only: the venv, the base Python, libraries."""
+    paths = {os.path.realpath(sys.prefix), os.path.realpath(sys.base_prefix),
+             os.path.dirname(os.path.realpath(sys.executable)), *import_roots()}
+    for lib in ("/usr/lib", "/usr/lib64", "/usr/local/lib"):
+        if os.path.isdir(lib):
+            paths.add(lib)
+    # Drop paths nested in others (one bind covers them).
+    ordered = sorted(paths)
+    return [p for p in ordered if not any(p != q and p.startswith(q + "/") for q in ordered)]
+
+
+def _parent_dirs(paths: list[str]) -> list[str]:
+    """World-traversable parents for bind targets (bwrap would create them 0700 as root)."""
+    seen: list[str] = []
+    for p in paths:
+        parent = Path(p).parent
+        chain = [a for a in reversed(parent.parents) if str(a) != "/"] + [parent]
+        for a in chain:
+            if str(a) != "/" and str(a) not in seen:
+                seen.append(str(a))
+    args: list[str] = []
+    for d in seen:
+        args += ["--perms", "0755", "--dir", d]
+    return args
+
+
+def bwrap_args() -> list[str]:
+    """bwrap's options (before ``--``) for a process that sees only the Python runtime."""
+    args = ["--die-with-parent", "--new-session", "--unshare-pid", "--unshare-net",
+            "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
+    if os.geteuid() == 0:
+        # No user namespace as root: the zygote drops to uid 65534 itself (see _zygote.py).
+        args += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+    else:
+        args += ["--unshare-user", "--uid", "65534", "--gid", "65534"]
+    # The tmpfs comes first: a runtime bound below /tmp (a checkout in a temporary folder) must
+    # be mounted on top of it, not hidden by it.
+    args += ["--perms", "1777", "--tmpfs", "/tmp"]
+    args += _parent_dirs([*_runtime_paths(), SANDBOX_ZYGOTE_PATH])
+    for p in _runtime_paths():
+        args += ["--ro-bind", p, p]
+    for link, target in (("/lib", "usr/lib"), ("/lib64", "usr/lib64"), ("/bin", "usr/bin")):
+        if os.path.islink(link):
+            args += ["--symlink", target, link]
+        elif os.path.isdir(link) and link != "/bin":
+            args += ["--ro-bind", link, link]
+    if os.path.exists("/etc/ld.so.cache"):
+        args += ["--ro-bind", "/etc/ld.so.cache", "/etc/ld.so.cache"]
+    args += ["--dev", "/dev", "--proc", "/proc", "--chdir", "/tmp", "--clearenv"]
+    for key, value in sandbox_env().items():
+        args += ["--setenv", key, value]
+    return args
+
+
+def sandbox_env() -> dict[str, str]:
+    """The sandboxed interpreter's whole environment: nothing of the host's."""
+    return {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8", "MPLBACKEND": "Agg",
+            "MPLCONFIGDIR": "/tmp/mpl", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
+            "MKL_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0"}
