@@ -65,9 +65,21 @@ def test_shipped_recipes_validate_and_document_themselves(path: Path):
     assert any("Hardware" in line for line in path.read_text().splitlines()[:20])
 
 
+@pytest.mark.parametrize("path", sorted(RECIPES_DIR.glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_recipes_size_images_for_their_model(path: Path):
+    # One visual token per 28x28 pixels on Qwen2.5-VL, 32x32 on Qwen3-VL; LLaMA-Factory runs the
+    # model's processor with its own defaults, so no image may be smaller than the processor's
+    # minimum (Qwen2.5-VL 3136 pixels, Qwen3-VL 65536), in SFT or in the agent's context.
+    recipe = load_recipe(path)
+    qwen3 = recipe.model.tiny is None and "Qwen3-VL" in recipe.model.base
+    assert recipe.agent.image_factor == (32 if qwen3 else 28)
+    assert recipe.sft.template == ("qwen3_vl_nothink" if qwen3 else "qwen2_vl")
+    assert recipe.sft.image_min_pixels == recipe.agent.image_min_pixels >= (65536 if qwen3 else 3136)
+
+
 def test_shipped_recipe_set():
     names = {p.stem for p in RECIPES_DIR.glob("*.yaml")}
-    assert {"tiny-cpu", "pyvision-image-7b", "pyvision-video-7b"} <= names
+    assert {"tiny-cpu", "pyvision-image-7b", "pyvision-video-7b", "pyvision-image-qwen3-8b"} <= names
 
 
 def test_default_recipe_is_tiny_cpu():

@@ -1,5 +1,6 @@
 """The in-process policy's batched decoding: same tokens as transformers' generate, rows leave
-the batch as they stop, and each row is reported done exactly once."""
+the batch as they stop, and each row is reported done exactly once; on a tiny Qwen2.5-VL and a
+tiny Qwen3-VL (whose 3-D positions and deepstack visual features differ)."""
 
 from __future__ import annotations
 
@@ -15,10 +16,17 @@ QUESTIONS = ["How many red objects are there?", "What colour is it?\n(A) red\n(B
              "Where is the cyan square? Answer in a few words, please."]
 
 
-@pytest.fixture(scope="module")
-def policy(tiny_model_dir) -> HFPolicy:
-    pol = HFPolicy.from_pretrained(str(tiny_model_dir), device="cpu", dtype="float32",
-                                   image_max_pixels=12544)
+# model fixture, agent.image_factor, model class
+ARCHS = {"qwen2_5_vl": ("tiny_model_dir", 28, "Qwen2_5_VLForConditionalGeneration"),
+         "qwen3_vl": ("tiny_qwen3_dir", 32, "Qwen3VLForConditionalGeneration")}
+
+
+@pytest.fixture(scope="module", params=list(ARCHS))
+def policy(request) -> HFPolicy:
+    fixture, factor, model_class = ARCHS[request.param]
+    pol = HFPolicy.from_pretrained(str(request.getfixturevalue(fixture)), device="cpu",
+                                   dtype="float32", image_max_pixels=12544, image_factor=factor)
+    assert type(pol.model).__name__ == model_class
     with torch.no_grad():  # sharper than the random init, so rows stop at different lengths
         for p in pol.model.parameters():
             p.mul_(6.0)

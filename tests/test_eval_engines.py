@@ -157,6 +157,29 @@ def test_vllm_stop_and_token_bookkeeping(monkeypatch) -> None:
     assert policy.context_tokens(handle) == context
 
 
+def test_chat_policies_count_visual_tokens_with_the_recipes_image_factor(monkeypatch) -> None:
+    # A 1024x768 image at its Qwen3-VL context size is 32 x 24 tokens of 32x32 pixels; counted
+    # with Qwen2.5-VL's 28x28 rule it would be 37 x 27.
+    from PIL import Image
+
+    from pipelines.agent.policies import make_policy
+    from pipelines.agent.policies.vllm import VLLMPolicy
+
+    module, _ = fake_vllm([])
+    monkeypatch.setitem(sys.modules, "vllm", module)
+    image = Image.new("RGB", (1024, 768))
+    message = {"role": "user", "content": [{"type": "image", "image": image},
+                                           {"type": "text", "text": "q"}]}
+    visual = {}
+    for factor in (28, 32):
+        cfg = AgentConfig(image_factor=factor, image_max_pixels=2_000_000)
+        policy = VLLMPolicy("m", agent_cfg=cfg)
+        visual[factor] = policy.token_counts(policy.begin([message]))["visual"]
+        served = make_policy("http://127.0.0.1:9", served_model="m", agent_cfg=cfg)
+        assert served.token_counts(served.begin([message]))["visual"] == visual[factor]
+    assert visual == {28: 37 * 27, 32: 32 * 24}
+
+
 def test_missing_vllm_says_how_to_install_it(monkeypatch, vstar_dir: Path) -> None:
     monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` fails as if not installed
     result = runner.invoke(app, ["--engine", "vllm", "--model", "org/m", "--benchmarks", "vstar",

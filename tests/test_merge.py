@@ -143,3 +143,65 @@ def test_merge_verl_lora_checkpoint_merges_the_adapter(tiny_model_dir, tmp_path)
     got = merged.get_submodule(name).weight
     torch.testing.assert_close(got, want.detach(), rtol=2e-2, atol=2e-2)
     assert (got - base).abs().max() > 0.1  # the adapter is in, not dropped
+
+
+def test_merge_stage_folds_a_local_lora_rl_adapter_into_its_base(tiny_model_dir, tmp_path):
+    """A run whose local RL trained a LoRA adapter (``rl.lora``): its merge stage writes one plain
+    model whose weights are the base's with ``alpha / rank * B @ A`` added to each adapted layer
+    (the vision tower untouched), that computes what the base with the adapter computes, and
+    that the eval stage then evaluates as the run's RL model."""
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText
+
+    from pipelines.rl.local import attach_lora, load_policy_model, save_adapter
+    from pipelines.run import models_to_evaluate, run_pipeline
+    from pipelines.store import Store
+
+    recipe = load_recipe(None, ("rl.engine=local", "rl.lora.rank=4", "rl.lora.alpha=8",
+                                f"runs_dir={tmp_path / 'runs'}"))
+    model, processor = load_policy_model(recipe, str(tiny_model_dir))
+    peft_model = attach_lora(model, recipe.rl.lora).eval()
+    with torch.no_grad():
+        for n, p in peft_model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.5)  # a trained adapter
+    store = Store()
+    rl = stage_dir(recipe, "rl", "lora-rl", runs_dir=None, store=store)
+    rl.begin()
+    save_adapter(peft_model, processor, rl.path / "adapter", str(tiny_model_dir), recipe.rl.lora)
+    # The outputs the local engine's rl stage records with rl.lora (pipelines/rl/local.py).
+    rl.finish({"adapter": str(rl.path / "adapter"), "checkpoints": str(rl.path / "checkpoints"),
+               "base_model": str(tiny_model_dir)})
+
+    summary = run_pipeline(recipe, store=store, run_id="lora-rl", from_stage="merge",
+                           until_stage="merge", show_progress=False)
+    final = rl.run_path / "merge" / "model"
+    assert summary["merge"]["status"] == "done" and summary["merge"]["model"] == str(final)
+    merge = stage_dir(recipe, "merge", "lora-rl", runs_dir=None)
+    assert models_to_evaluate(merge)["rl"] == str(final)
+
+    scale = recipe.rl.lora.alpha / recipe.rl.lora.rank
+    adapted = {f"{name}.weight": m.base_layer.weight + scale * m.lora_B.default.weight
+               @ m.lora_A.default.weight
+               for name, m in peft_model.base_model.model.named_modules() if hasattr(m, "lora_A")}
+    assert adapted and not any("visual" in k for k in adapted)
+    base = AutoModelForImageTextToText.from_pretrained(tiny_model_dir).state_dict()
+    merged = AutoModelForImageTextToText.from_pretrained(final, dtype=torch.float32).eval()
+    weights = merged.state_dict()
+    assert set(weights) == set(base)
+    for key, tensor in weights.items():
+        torch.testing.assert_close(tensor, adapted.get(key, base[key]).detach(),
+                                   msg=lambda m, key=key: f"{key}: {m}")
+
+    text = processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Colour?"}]},
+         {"role": "assistant", "content": "It is red."}], tokenize=False)
+    enc = processor(text=[text], images=[Image.new("RGB", (224, 168), (200, 60, 40))],
+                    return_tensors="pt")
+    with torch.no_grad():
+        got = merged(**enc).logits
+        want = peft_model(**enc).logits
+        with peft_model.disable_adapter():
+            plain = peft_model(**enc).logits
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert (got - plain).abs().max() > 1e-2  # the adapter is in the merged model

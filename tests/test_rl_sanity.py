@@ -12,9 +12,10 @@ import torch
 
 from pipelines.config.recipe import load_recipe
 from pipelines.core.records import read_tasks
+from pipelines.rl import logprobs
 from pipelines.rl.local import LocalEngine, load_policy_model
 from pipelines.rl.sampler import TaskSampler
-from pipelines.rl.sanity import fixed_batch_check, logprob_alignment
+from pipelines.rl.sanity import ALIGNMENT_TOLERANCE, fixed_batch_check, logprob_alignment
 from pipelines.scoring.reward import RewardBreakdown
 
 # The demo's RL settings (pipelines/recipes/tiny-cpu.yaml), shortened turns, one thread.
@@ -50,12 +51,26 @@ class ForceFirstTurn:
         return scores
 
 
-def test_recomputed_logprobs_equal_sampled_across_turns_and_images(tiny_model_dir, items,
+# Qwen3-VL: one visual token per 32x32 pixels, other 3-D positions, deepstack visual features;
+# and a processor whose own minimum (4096 pixels on the tiny model, 65536 on Qwen3-VL-8B) lies
+# above the recipe's image_min_pixels, so the small crop the first turn shows must reach the
+# trainer at the size the sampler saw it, not grown to the processor's minimum.
+SMALL_CROP = "<code>\n```python\nimage_clue_0.crop((0, 0, 48, 32)).show()\n```\n</code>"
+ARCHS = {"qwen2_5_vl": ("tiny_model_dir", [], CODE),
+         "qwen3_vl": ("tiny_qwen3_dir", ["agent.image_factor=32", "agent.image_min_pixels=1024"],
+                      SMALL_CROP)}
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_recomputed_logprobs_equal_sampled_across_turns_and_images(arch, request, items,
                                                                     monkeypatch):
-    recipe = load_recipe(None, [*DEMO, "agent.temperature=0.7", "agent.max_new_tokens_per_turn=64"])
-    model, processor = load_policy_model(recipe, str(tiny_model_dir))
+    fixture, overrides, code = ARCHS[arch]
+    recipe = load_recipe(None, [*DEMO, "agent.temperature=0.7", "agent.max_new_tokens_per_turn=64",
+                                *overrides])
+    model, processor = load_policy_model(recipe, str(request.getfixturevalue(fixture)))
+    assert model.config.model_type == arch
     engine = LocalEngine(recipe, model, processor, items, TaskSampler(len(items), 0))
-    forced = ForceFirstTurn(processor.tokenizer(CODE, add_special_tokens=False)["input_ids"])
+    forced = ForceFirstTurn(processor.tokenizer(code, add_special_tokens=False)["input_ids"])
     original = engine.policy.generate
     calls = []
 
@@ -65,12 +80,22 @@ def test_recomputed_logprobs_equal_sampled_across_turns_and_images(tiny_model_di
         return original(handles, sampling)
 
     monkeypatch.setattr(engine.policy, "generate", generate)
+    areas = []  # of every image the trainer recomputes over
+    recompute = logprobs.sequence_logprobs
+
+    def spy(model, processor, seqs, **kwargs):
+        areas.extend(img.width * img.height for s in seqs for img in s.images)
+        return recompute(model, processor, seqs, **kwargs)
+
+    monkeypatch.setattr(logprobs, "sequence_logprobs", spy)
     report = logprob_alignment(engine, items[:2], samples=2)
     assert report["trajectories"] == 4
     assert report["turns"] == 8, report  # the forced code turn, then the model's own turn
-    assert report["images"] == 8, report  # the prompt image and the interpreter's figure
+    assert report["images"] == 8 == len(areas), report  # the prompt image and the figure / crop
     assert report["model_tokens"] > 4 * len(forced.ids)
-    assert report["max_abs_diff"] < 1e-3, report
+    assert report["max_abs_diff"] < ALIGNMENT_TOLERANCE["float32"], report
+    if arch == "qwen3_vl":
+        assert min(areas) < processor.image_processor.size["shortest_edge"]
 
 
 def test_recomputed_logprobs_catch_a_wrong_temperature(tiny_model_dir, items):
@@ -164,20 +189,24 @@ def test_fixed_batch_check_fails_when_the_advantage_sign_is_flipped(tiny_model_d
     assert result["delta"] < -0.05 and result["delta_ci95"][1] < 0, result
 
 
-def test_trainer_log_probs_use_the_3d_positions_the_processor_gives(tiny_model_dir):
-    # LLaMA-Factory, verl and vLLM place image tokens with 3-D (mRoPE) positions; a forward pass
-    # without the token types silently uses 1-D ones. The trainer must see what SFT trained.
+@pytest.mark.parametrize(("fixture", "size"), [("tiny_model_dir", (224, 168)),
+                                               ("tiny_qwen3_dir", (256, 192))],
+                         ids=["qwen2_5_vl", "qwen3_vl"])
+def test_trainer_log_probs_use_the_3d_positions_the_processor_gives(fixture, size, request):
+    # LLaMA-Factory, verl and vLLM place image tokens with 3-D (mRoPE) positions; a Qwen2.5-VL
+    # forward pass without the token types silently uses 1-D ones (Qwen3-VL refuses). The trainer
+    # must see what SFT trained. The image is at its context size (a multiple of 28, or 32).
     from PIL import Image
 
     from pipelines.rl.logprobs import TokenSequence, sequence_logprobs
 
     recipe = load_recipe(None, DEMO)
-    model, processor = load_policy_model(recipe, str(tiny_model_dir))
+    model, processor = load_policy_model(recipe, str(request.getfixturevalue(fixture)))
     torch.manual_seed(0)
     with torch.no_grad():  # the nano model's position signal is faint until its weights are larger
         for p in model.parameters():
             p.mul_(8.0)
-    image = Image.new("RGB", (224, 168), (200, 60, 40))
+    image = Image.new("RGB", size, (200, 60, 40))
     text = processor.apply_chat_template(
         [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Colour?"}]},
          {"role": "assistant", "content": "It is red."}], tokenize=False)
@@ -190,7 +219,8 @@ def test_trainer_log_probs_use_the_3d_positions_the_processor_gives(tiny_model_d
         ours, _, _ = sequence_logprobs(model, processor, [seq])
         reference = torch.log_softmax(model(**enc).logits[0].float(), -1)
         flat = {k: v for k, v in enc.items() if k != "mm_token_type_ids"}
-        one_d = torch.log_softmax(model(**flat).logits[0].float(), -1)
+        one_d = torch.log_softmax(
+            model(**flat, position_ids=torch.arange(len(ids))[None]).logits[0].float(), -1)
     targets = torch.tensor(ids[prompt_len:])
     want = reference[prompt_len - 1: -1].gather(-1, targets[:, None])[:, 0]
     wrong = one_d[prompt_len - 1: -1].gather(-1, targets[:, None])[:, 0]

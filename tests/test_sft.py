@@ -35,7 +35,7 @@ def test_rendered_yaml_matches_snapshot(recipe_path, tmp_path):
     assert snap.is_file(), f"missing snapshot {snap}; run with PYVISION_UPDATE_SNAPSHOTS=1"
     assert text == snap.read_text()
     rendered = yaml.safe_load(text)
-    assert rendered["template"] == "qwen2_vl" and rendered["stage"] == "sft"
+    assert rendered["template"] == recipe.sft.template and rendered["stage"] == "sft"
     assert rendered["freeze_vision_tower"] is recipe.sft.freeze_vision_tower
     if recipe.sft.deepspeed != "none":
         ds = json.loads((tmp_path / f"ds_{recipe.sft.deepspeed}.json").read_text())

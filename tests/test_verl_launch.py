@@ -235,10 +235,9 @@ def test_overrides_compose_against_verls_config(name, tmp_path):
 
     recipe = load_recipe(RECIPES_DIR / f"{name}.yaml", ("rl.verl.extra_overrides=[trainer.save_freq=7]",))
     paths = VerlPaths(tmp_path / "runs" / name / "rl")
-    pairs = render(recipe, model="Qwen/Qwen2.5-VL-7B-Instruct", paths=paths, has_val=True,
-                   resume=False)
+    pairs = render(recipe, model=recipe.model.base, paths=paths, has_val=True, resume=False)
     # Composition itself rejects an unknown key (and a '+' key that verl already declares).
-    cfg = compose_verl(render_overrides(recipe, model="Qwen/Qwen2.5-VL-7B-Instruct", paths=paths,
+    cfg = compose_verl(render_overrides(recipe, model=recipe.model.base, paths=paths,
                                         has_val=True, resume=False))
     for o in pairs:
         got = OmegaConf.select(cfg, o.key, throw_on_missing=True)

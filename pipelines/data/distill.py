@@ -311,7 +311,8 @@ def distill(recipe: Recipe, task_dirs: list[str | Path], out: str | Path, *,
         policy = OpenAIPolicy(teacher, served_model or cfg.served_model, client=cfg.client,
                               concurrency=cfg.concurrency,
                               image_min_pixels=agent.image_min_pixels,
-                              image_max_pixels=agent.image_max_pixels, role="teacher",
+                              image_max_pixels=agent.image_max_pixels,
+                              image_factor=agent.image_factor, role="teacher",
                               url_hint=TEACHER_HINT, model_hint="pass --served-model NAME")
     model = getattr(policy, "model", None) or policy.name
     out.mkdir(parents=True, exist_ok=True)

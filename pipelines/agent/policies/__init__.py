@@ -25,7 +25,8 @@ def make_policy(model: str, *, engine: str = "auto", served_model: str | None = 
 
         return OpenAIPolicy(model, served_model, client=client, concurrency=concurrency,
                             image_min_pixels=cfg.image_min_pixels,
-                            image_max_pixels=cfg.image_max_pixels, role=role,
+                            image_max_pixels=cfg.image_max_pixels,
+                            image_factor=cfg.image_factor, role=role,
                             url_hint=url_hint, model_hint=model_hint)
     if engine == "vllm":
         from pipelines.agent.policies.vllm import VLLMPolicy

@@ -1,7 +1,8 @@
 """Episode state for policies that speak OpenAI-style chat messages.
 
 The OpenAI-compatible client and in-process vLLM keep each episode as a list of chat messages and
-count visual tokens with Qwen2.5-VL's resize rule; they differ only in how an image travels
+count visual tokens with the model's resize rule (one token per ``agent.image_factor`` square:
+28 pixels for Qwen2.5-VL, 32 for Qwen3-VL); they differ only in how an image travels
 (a base64 data URL over HTTP, a PIL object in-process), which each supplies as ``image_part``.
 """
 
@@ -10,25 +11,25 @@ from __future__ import annotations
 from typing import Any
 
 
-def visual_tokens_for(image: Any, min_pixels: int, max_pixels: int) -> int:
-    """Tokens Qwen2.5-VL spends on ``image`` (one per 28x28 pixels after its resize rule)."""
-    from pipelines.agent.prompts import smart_resize
+def visual_tokens_for(image: Any, min_pixels: int, max_pixels: int, factor: int = 28) -> int:
+    """Tokens the model spends on ``image``: one per ``factor`` x ``factor`` pixels after its
+    resize rule (Qwen2.5-VL 28, Qwen3-VL 32)."""
+    from pipelines.agent.prompts import visual_tokens
 
-    h, w = smart_resize(image.height, image.width, factor=28, min_pixels=min_pixels,
-                        max_pixels=max_pixels)
-    return (h // 28) * (w // 28)
+    return visual_tokens(image.width, image.height, min_pixels, max_pixels, factor)
 
 
 class ChatMessages:
     """``begin`` / ``observe`` / ``trace`` / ``end`` of the Policy protocol over chat messages.
 
     A subclass sets ``Chat`` (its per-episode dataclass, with ``messages`` and ``visual`` fields),
-    ``min_pixels`` / ``max_pixels``, and implements ``image_part``.
+    ``min_pixels`` / ``max_pixels`` / ``factor``, and implements ``image_part``.
     """
 
     Chat: type
     min_pixels: int
     max_pixels: int
+    factor: int
 
     def image_part(self, image: Any) -> dict:
         raise NotImplementedError
@@ -40,7 +41,7 @@ class ChatMessages:
                 out.append({"type": "text", "text": p["text"]})
             else:
                 img = p["image"] if "image" in p else next(it)
-                visual += visual_tokens_for(img, self.min_pixels, self.max_pixels)
+                visual += visual_tokens_for(img, self.min_pixels, self.max_pixels, self.factor)
                 out.append(self.image_part(img))
         return out, visual
 

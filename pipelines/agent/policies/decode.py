@@ -13,8 +13,9 @@ head once per query head (``transformers``' sdpa path repeats them whenever ther
 ``transformers``' own continuous batching would do more, but it is text-only.
 
 Everything else is what ``generate`` does: a prefill that runs the vision tower once, then one
-token per step from the KV cache, Qwen2.5-VL's 3-D (mRoPE) positions for image tokens (computed
-once by the model's own ``get_rope_index``; text positions then advance by one per token),
+token per step from the KV cache, the 3-D (mRoPE) positions of Qwen2.5-VL and Qwen3-VL for image
+tokens (computed once by the model's own ``get_rope_index``; text positions then advance by one
+per token),
 temperature / top-p sampling from the global torch RNG (so a seeded run repeats), suppressed
 tokens, optional logits processors. The log-prob recorded for each token is that of the
 distribution it was sampled from before any processor or top-p cut (``softmax(logits / T)``,

@@ -21,7 +21,8 @@ from pipelines.agent.trajectory import TokenTrace
 
 
 class HFPolicy:
-    """Qwen2.5-VL through transformers; shares its model object with the local RL trainer."""
+    """Qwen2.5-VL or Qwen3-VL through transformers; shares its model object with the local RL
+    trainer."""
 
     name = "hf"
 

@@ -69,7 +69,7 @@ class OpenAIPolicy(ChatMessages):
     def __init__(self, base_url: str, model: str | None = None, *,
                  client: ClientConfig | None = None, concurrency: int = 8,
                  image_min_pixels: int = 3136, image_max_pixels: int = 2_000_000,
-                 extra_body: dict | None = None, role: str = "model server",
+                 image_factor: int = 28, extra_body: dict | None = None, role: str = "model server",
                  url_hint: str | None = None, model_hint: str | None = None,
                  warn: bool = True, **client_overrides: Any) -> None:
         """``client_overrides`` (``timeout_s``, ``max_retries``, ``backoff_s``, ``server`` ...)
@@ -86,6 +86,7 @@ class OpenAIPolicy(ChatMessages):
         self.concurrency = concurrency
         self.min_pixels = image_min_pixels
         self.max_pixels = image_max_pixels
+        self.factor = image_factor
         self.extra_body = dict(extra_body or {})
         self._pool = DaemonPool(concurrency, "policy")
 

@@ -1,4 +1,4 @@
-"""Exact token contexts for Qwen2.5-VL episodes, shared by every token-level policy.
+"""Exact token contexts for Qwen2.5-VL and Qwen3-VL episodes, shared by the token-level policies.
 
 The context of an episode is a list of token ids: the prompt as the processor renders it (image
 pads expanded), then, turn after turn, the tokens the model sampled (mask 1) and the tokens the
@@ -32,11 +32,13 @@ VISION_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
 def mm_token_type_ids(input_ids: Any, config: Any) -> Any:
-    """Each token's modality (0 text, 1 image, 2 video) as Qwen2.5-VL's forward wants it.
+    """Each token's modality (0 text, 1 image, 2 video) as Qwen2.5-VL's and Qwen3-VL's forward
+    want it.
 
-    Without it the model silently falls back to 1-D positions for every token, while
-    LLaMA-Factory, verl and vLLM train and serve with 3-D (mRoPE) positions for vision tokens: on
-    the tiny SFT model the logits after an image differed by up to 4.0 between the two. Every
+    Without it Qwen2.5-VL silently falls back to 1-D positions for every token (Qwen3-VL
+    raises), while LLaMA-Factory, verl and vLLM train and serve with 3-D (mRoPE) positions for
+    vision tokens: on the tiny SFT model the logits after an image differed by up to 4.0 between
+    the two. Every
     forward pass and ``generate`` call over a context with images must pass it.
     """
     import torch

@@ -62,7 +62,7 @@ class _Chat:
 
 
 class VLLMPolicy(ChatMessages):
-    """Qwen2.5-VL (or any chat VLM vLLM serves) through ``vllm.LLM.chat``."""
+    """Qwen2.5-VL, Qwen3-VL (or any chat VLM vLLM serves) through ``vllm.LLM.chat``."""
 
     name = "vllm"
     Chat = _Chat
@@ -73,6 +73,7 @@ class VLLMPolicy(ChatMessages):
         self.vllm = import_vllm()
         self.min_pixels = cfg.image_min_pixels
         self.max_pixels = cfg.image_max_pixels
+        self.factor = cfg.image_factor
         kwargs = {"limit_mm_per_prompt": {"image": cfg.max_images},
                   # The loop already resized every image to these bounds; the processor must not
                   # resize them again with its own defaults.
