@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from benchmarks import get_benchmark
-from tests.test_benchmarks import hrbench_rows, mathverse_rows, vsibench_rows, vstar_rows
+from tests.benchmarks.test_benchmarks import hrbench_rows, mathverse_rows, vsibench_rows, vstar_rows
 
 
 @pytest.fixture(scope="module")

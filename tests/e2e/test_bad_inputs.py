@@ -21,9 +21,10 @@ import pytest
 from typer.testing import CliRunner
 
 from pyvision_cli.main import app
+from tests.helpers import REPO
 
 runner = CliRunner()
-RECIPES = Path(__file__).resolve().parent.parent / "pipelines" / "recipes"
+RECIPES = REPO / "pipelines" / "recipes"
 TINY = str(RECIPES / "tiny-cpu.yaml")
 
 
@@ -381,7 +382,7 @@ def _store_with_a_run(path: Path) -> None:
 
 
 def test_a_utf8_bom_is_accepted_in_recipes_tasks_and_predictions(tmp_path: Path):
-    from tests.test_benchmarks import vsibench_rows
+    from tests.benchmarks.test_benchmarks import vsibench_rows
 
     inp = tmp_path / "in"
     make_inputs(inp)
@@ -424,7 +425,7 @@ def test_a_terminated_synth_leaves_no_temp_folder(tmp_path: Path):
     import time
 
     out = tmp_path / "s"
-    env = {**os.environ, "PYTHONPATH": str(RECIPES.parent.parent)}
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen([sys.executable, "-m", "pyvision_cli.main", "data", "synth", "--kind",
                              "image-search", "--n", "500", "--out", str(out)], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

@@ -20,10 +20,10 @@ import duckdb
 import pytest
 
 from pipelines.store import Store
-from tests.test_bad_inputs import png_bytes, task_row, write_tasks
-from tests.test_rl_local import ENGINE
+from tests.e2e.test_bad_inputs import png_bytes, task_row, write_tasks
+from tests.helpers import REPO as ROOT
+from tests.pipelines.rl.test_rl_local import ENGINE
 
-ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
 
 

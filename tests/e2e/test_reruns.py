@@ -21,7 +21,7 @@ from pipelines.eval.runner import run_eval
 from pipelines.rundir import stage_dir
 from pipelines.store import Store
 from pyvision_cli.main import app
-from tests.test_bad_inputs import make_inputs, task_row, write_tasks
+from tests.e2e.test_bad_inputs import make_inputs, task_row, write_tasks
 
 runner = CliRunner()
 

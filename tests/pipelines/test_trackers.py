@@ -20,7 +20,7 @@ from pipelines.rl.strategy import Group, Rollout, broken_reason, select_groups
 from pipelines.scoring.reward import RewardBreakdown
 from pipelines.store import Store
 from pipelines.trackers import eval_metrics, open_trackers, sft_metrics
-from tests.test_trajectories import CROP, _answer, _image_tasks
+from tests.pipelines.report.test_trajectories import CROP, _answer, _image_tasks
 
 # Answers of the 4 x 3 rollouts, in generation order: group 0 varies (std 0.58), group 1 is
 # all wrong (zero variance), group 2 varies (std 0.58), group 3 has one malformed rollout.
@@ -197,7 +197,7 @@ def test_local_engine_records_every_step(tiny_model_dir, tmp_path, monkeypatch):
     test_rl_local gives groups variance), rollouts in the store, verl's names in TensorBoard."""
     from pipelines.data.synth import synthesize
     from pipelines.rl.local import LocalEngine
-    from tests.test_rl_local import ENGINE, run_rl, token_reward
+    from tests.pipelines.rl.test_rl_local import ENGINE, run_rl, token_reward
 
     monkeypatch.setattr(LocalEngine, "rewards", token_reward)
     tasks = tmp_path / "tasks"

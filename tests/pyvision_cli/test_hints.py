@@ -17,7 +17,6 @@ from __future__ import annotations
 import ast
 import re
 import shlex
-from pathlib import Path
 
 import pytest
 import typer
@@ -29,8 +28,8 @@ from pipelines.config.loader import _valid_keys
 from pipelines.config.recipe import Recipe
 from pipelines.errors import UserError
 from pyvision_cli.main import COMMANDS, app
+from tests.helpers import REPO as ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 SOURCES = ("pipelines", "benchmarks", "pyvision_cli")
 ERROR_CALLS = {"UserError", "ConfigError", "DataError", "EndpointError", "SubprocessFailed",
                "BadParameter"}

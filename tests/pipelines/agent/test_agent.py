@@ -110,7 +110,7 @@ def test_bad_media_reported_before_generation(tmp_path):
 
 
 def test_video_prompt_has_no_frames_in_context(tmp_path):
-    from tests.test_sandbox import _tiny_mp4
+    from tests.pipelines.agent.test_sandbox import _tiny_mp4
 
     _tiny_mp4(tmp_path / "v.mp4")
     task = Task(id="v", data_source="synth/video", question="How many?", video="v.mp4",

@@ -23,7 +23,7 @@ from pipelines.agent.policies.endpoint import ChatClient
 from pipelines.agent.policies.openai import OpenAIPolicy
 from pipelines.config.client import ClientConfig
 from pipelines.errors import EndpointError, UserError
-from tests.helpers import FakeOpenAI, chat_completion
+from tests.helpers import REPO, FakeOpenAI, chat_completion
 
 STANDARD = {"model", "messages", "max_tokens", "temperature", "top_p", "stop"}
 CODE = "Zoom in.\n<code>\n```python\nprint(1)\n```\n</code>"
@@ -200,7 +200,7 @@ def test_first_ctrl_c_stops_an_evaluation_and_keeps_finished_samples(tmp_path: P
     """Sample 1 is answered; the server then hangs. One SIGINT ends the command within seconds
     (before: it waited out 300 s x 4 tries of the hung request) and sample 1 stays stored."""
     from pipelines.store import Store
-    from tests.test_benchmarks import make_vstar_dir
+    from tests.benchmarks.test_benchmarks import make_vstar_dir
 
     data = make_vstar_dir(tmp_path / "vstar")
     hang = threading.Event()
@@ -212,7 +212,7 @@ def test_first_ctrl_c_stops_an_evaluation_and_keeps_finished_samples(tmp_path: P
 
     server = FakeOpenAI(respond, threaded=True)
     store = tmp_path / "s.duckdb"
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
+    env = {**os.environ, "PYTHONPATH": str(REPO),
            "PYVISION_STORE": str(store), "PYVISION_CACHE": str(tmp_path / "cache")}
     cmd = [sys.executable, "-m", "pyvision_cli.main", "eval", "--model", server.url,
            "--benchmarks", "vstar", "--data-dir", str(data), "--run-id", "cc",
@@ -297,7 +297,7 @@ def test_eval_against_a_server_with_several_models_asks_for_one_before_writing(
 
     from pipelines.store import Store
     from pyvision_cli.eval import app
-    from tests.test_benchmarks import make_vstar_dir
+    from tests.benchmarks.test_benchmarks import make_vstar_dir
 
     monkeypatch.setenv("PYVISION_CACHE", str(tmp_path / "cache"))
     data = make_vstar_dir(tmp_path / "vstar")

@@ -18,9 +18,9 @@ from PIL import Image
 from pipelines.agent.sandbox import ExecResult, Sandbox, bwrap_available, isolation_mode
 from pipelines.config.sandbox import SandboxConfig
 from pipelines.errors import DataError
+from tests.helpers import REPO
 
 strict = pytest.mark.skipif(not bwrap_available(), reason="bubblewrap missing: CI installs it")
-REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ from pipelines.core.records import Task, read_conversations, write_tasks
 from pipelines.data.distill import Candidate, select
 from pipelines.store import Store
 from pyvision_cli.data import app
-from tests.helpers import FakeOpenAI, chat_completion
+from tests.helpers import REPO, FakeOpenAI, chat_completion
 
 runner = CliRunner()
 WIDTHS = {"good-a": 300, "good-b": 240, "wrong": 200, "badformat": 180, "crash": 160}
@@ -331,7 +331,7 @@ def test_first_ctrl_c_stops_a_distillation_keeping_finished_samples(tasks_dir: P
 
     server = FakeOpenAI(respond, threaded=True)
     out = tmp_path / "out"
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
+    env = {**os.environ, "PYTHONPATH": str(REPO),
            "PYVISION_STORE": str(tmp_path / "s.duckdb")}
     proc = subprocess.Popen([sys.executable, "-m", "pyvision_cli.main", "data", "distill",
                              "--teacher", server.url, "--tasks", str(tasks_dir), "--out", str(out),

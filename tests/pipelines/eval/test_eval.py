@@ -20,7 +20,7 @@ from pipelines.config.recipe import load_recipe
 from pipelines.eval.runner import resolve_data_dir, run_eval
 from pipelines.store import Store
 from pyvision_cli.eval import app
-from tests.test_benchmarks import (
+from tests.benchmarks.test_benchmarks import (
     make_hrbench_dir,
     make_mathverse_dir,
     make_vsibench_dir,

@@ -20,8 +20,8 @@ from pipelines.agent.policies.chat import visual_tokens_for
 from pipelines.config.agent import AgentConfig
 from pipelines.store import Store
 from pyvision_cli.eval import app
+from tests.benchmarks.test_benchmarks import make_vstar_dir
 from tests.helpers import FakeOpenAI, chat_completion
-from tests.test_benchmarks import make_vstar_dir
 
 FAST = ["agent.max_new_tokens_per_turn=8", "agent.max_turns_eval=3",
         "agent.image_max_pixels=12544"]

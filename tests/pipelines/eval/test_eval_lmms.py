@@ -20,7 +20,8 @@ from pipelines.config.recipe import load_recipe
 from pipelines.errors import UserError
 from pipelines.eval.lmms import lmms_command, parse_results
 from pipelines.store import Store
-from tests.test_benchmarks import vstar_rows
+from tests.benchmarks.test_benchmarks import vstar_rows
+from tests.helpers import REPO
 
 TASK = "pyvision_vstar_local"
 FAST = ["agent.max_new_tokens_per_turn=8", "agent.max_turns_eval=2",
@@ -90,7 +91,7 @@ def test_entry_point_is_what_lmms_eval_reads() -> None:
 
     from pipelines.eval.lmms_model import PyVisionAgent
 
-    declared = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    declared = tomllib.loads((REPO / "pyproject.toml").read_text())
     group = declared["project"]["entry-points"]["lmms_eval.models"]
     assert group == {"pyvision_agent": "pipelines.eval.lmms_plugin:MANIFEST"}
     # The installed (editable) metadata carries the same entry point, in the group lmms-eval

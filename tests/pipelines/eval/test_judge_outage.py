@@ -20,9 +20,13 @@ from pipelines.report import collect, results_table, to_html, to_markdown
 from pipelines.store import Store
 from pyvision_cli.eval import app as eval_app
 from pyvision_cli.report import app as report_app
+from tests.benchmarks.test_benchmarks import make_mathverse_dir
 from tests.helpers import FakeOpenAI, chat_completion
-from tests.test_benchmarks import make_mathverse_dir
-from tests.test_eval import _media_cache, _recipe, _tool_then_answer  # noqa: F401 - autouse
+from tests.pipelines.eval.test_eval import (  # noqa: F401 - autouse
+    _media_cache,
+    _recipe,
+    _tool_then_answer,
+)
 
 runner = CliRunner()
 JUDGE_MODEL = "Qwen/Qwen2.5-72B-Instruct"
@@ -181,7 +185,7 @@ def test_hrbench_records_who_decided(prediction: str, verdict: float | None, sco
     from benchmarks.hrbench import HRBench4K
     from pipelines.config.reward import RewardConfig
     from pipelines.eval.judging import scoring_for
-    from tests.test_benchmarks import hrbench_rows
+    from tests.benchmarks.test_benchmarks import hrbench_rows
 
     judge = _StubJudge(verdict)
     scoring = scoring_for("hrbench4k", judge, JUDGE_MODEL, RewardConfig())

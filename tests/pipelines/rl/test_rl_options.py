@@ -16,7 +16,7 @@ from pipelines.config.recipe import RECIPES_DIR, load_recipe
 from pipelines.config.rl import StrategyConfig
 from pipelines.errors import UserError
 from pipelines.rl.strategy import Group, Rollout, select_groups
-from tests import test_verl_guards
+from tests.pipelines.rl.verl import test_verl_guards
 
 # The tiny Qwen2.5-VL's verl parts and a 900 x 600 image task, as the guard tests use them.
 qwen25 = test_verl_guards.qwen25
@@ -79,8 +79,13 @@ def test_mask_truncated_leaves_cut_trajectories_out_of_the_loss(mask):
 
 
 def test_mask_truncated_in_the_verl_agent_loop(qwen25, big_image_task, tmp_path):
-    from tests.test_verl_agent_loop import CODE_TURN, ScriptedServer, _encode, _row
-    from tests.test_verl_guards import _postprocess, _recipe, _run
+    from tests.pipelines.rl.verl.test_verl_agent_loop import (
+        CODE_TURN,
+        ScriptedServer,
+        _encode,
+        _row,
+    )
+    from tests.pipelines.rl.verl.test_verl_guards import _postprocess, _recipe, _run
 
     tok = qwen25["tokenizer"]
     row = _row(*big_image_task)
@@ -162,7 +167,7 @@ def test_lora_overrides_compose_against_verls_config(tmp_path):
     from omegaconf import OmegaConf
 
     from pipelines.rl.verl.overrides import VerlPaths, render, render_overrides
-    from tests.test_verl_launch import compose_verl
+    from tests.pipelines.rl.verl.test_verl_launch import compose_verl
 
     recipe = load_recipe(RECIPES_DIR / "pyvision-image-7b.yaml",
                          ("rl.lora.rank=16", "rl.lora.alpha=32"))

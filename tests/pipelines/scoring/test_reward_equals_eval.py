@@ -12,7 +12,10 @@ from pipelines.config.recipe import load_recipe
 from pipelines.eval.judging import scoring_for
 from pipelines.scoring import benchmark_for_task
 from pipelines.scoring.reward import compute_reward
-from tests.test_benchmarks import loaded, make_synth_dir  # noqa: F401 - the fixture is used
+from tests.benchmarks.test_benchmarks import (  # noqa: F401 - the fixture is used
+    loaded,
+    make_synth_dir,
+)
 
 WRONG = ["Z", "(B)", "0", "the answer is 7", "", None, "12.5", "five"]
 

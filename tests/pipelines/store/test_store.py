@@ -310,7 +310,7 @@ def test_report_reads_through_one_connection(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
     from pyvision_cli.report import app
-    from tests.test_report import fill_store
+    from tests.pipelines.report.test_report import fill_store
 
     store = Store()
     fill_store(store, "a")

@@ -225,7 +225,7 @@ def image_task(tmp_path) -> tuple[Task, Path]:
 
 @pytest.fixture
 def video_task(tmp_path) -> tuple[Task, Path]:
-    from tests.test_sandbox import _tiny_mp4
+    from tests.pipelines.agent.test_sandbox import _tiny_mp4
 
     _tiny_mp4(tmp_path / "v.mp4")
     return Task(id="v1", data_source="synth/video", question="How many frames?", video="v.mp4",

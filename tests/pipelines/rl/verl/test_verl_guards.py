@@ -1,5 +1,5 @@
 """Guards against the verl pitfalls others hit, through our verl agent loop, reward and ranking
-on CPU (verl's own classes, a stand-in server; see tests/test_verl_agent_loop.py).
+on CPU (verl's own classes, a stand-in server; see test_verl_agent_loop.py).
 
 - image pixels: one resize (``resize_for_context``) for the agent loop, SFT export and
   evaluation, and the visual token count per image checked against it;
@@ -31,8 +31,8 @@ from pipelines.config.recipe import load_recipe
 from pipelines.core.records import Task
 from pipelines.errors import DataError, UserError
 from pipelines.rl.verl.agent_loop import fit_response
-from tests import test_verl_launch
-from tests.test_verl_agent_loop import (
+from tests.pipelines.rl.verl import test_verl_launch
+from tests.pipelines.rl.verl.test_verl_agent_loop import (
     ANSWER_TURN,
     CODE_TURN,
     TARGET,
@@ -144,7 +144,7 @@ def big_image_task(tmp_path) -> tuple[Task, Path]:
 
 @pytest.fixture
 def video_task(tmp_path) -> tuple[Task, Path]:
-    from tests.test_sandbox import _tiny_mp4
+    from tests.pipelines.agent.test_sandbox import _tiny_mp4
 
     _tiny_mp4(tmp_path / "v.mp4")
     return Task(id="v1", data_source="synth/video", question="How many frames?", video="v.mp4",

@@ -22,7 +22,7 @@ from pipelines.config.rl import StrategyConfig
 from pipelines.core.records import Task
 from pipelines.rl.verl.overrides import VerlPaths, render, render_overrides
 from pipelines.rl.verl.reward import TERMS
-from tests.helpers import FakeOpenAI, chat_completion
+from tests.helpers import REPO, FakeOpenAI, chat_completion
 
 # -- a TransferQueue stand-in ------------------------------------------------------------------
 # verl's v1 ReplayBuffer talks to TransferQueue (not installed on CPU machines; verl[vllm] brings
@@ -528,7 +528,7 @@ def test_launch_streams_metrics_and_finishes_with_checkpoints(rl_tasks, tmp_path
     assert _find_actor_dir(Path(outputs.checkpoints)) == sd.path / "checkpoints" / "global_step_3" / "actor"
     env = json.loads((sd.path / "fake_env.json").read_text())
     assert env["RAY_ADDRESS"] == "auto" and env["cwd"] == str(sd.path)
-    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(Path(__file__).resolve().parents[1])
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(REPO)
     assert env["args"]["trainer.resume_mode"] == "disable"
     assert "Total training steps: 3" in (sd.path / "verl.log").read_text()
 
