@@ -36,9 +36,9 @@ from pipelines.models.curriculum import (
 )
 
 SKILLS = ("copy", "colour_copy", "readback", "image_text")
-# What the shipped base must reach (tests/test_pretrain.py checks it). A random model scores about
-# 0 on the first three and 0.25 (chance) on image_text; the shipped base scored 0.96 / 1.00 /
-# 1.00 / 0.49 on 100 items each.
+# What the shipped base must reach (tests/pipelines/models/test_pretrain.py checks it). A random
+# model scores about 0 on the first three and 0.25 (chance) on image_text; the shipped base scored
+# 0.96 / 1.00 / 1.00 / 0.49 on 100 items each.
 THRESHOLDS = {"copy": 0.9, "colour_copy": 0.9, "readback": 0.9, "image_text": 0.4}
 
 
