@@ -134,7 +134,7 @@ def probe_image_text(model: Any, processor: Any, n: int, seed: int) -> float:
     import torch
 
     from pipelines.models.curriculum import IMAGE, _picture, chat
-    from pipelines.models.pretrain import Encoder, collate, token_losses
+    from pipelines.models.encoding import Encoder, collate, token_losses
 
     encode = Encoder(processor, 1024)
     hits = 0

@@ -18,7 +18,8 @@ from pipelines.models.curriculum import (
     random_token_copy,
     stream_example,
 )
-from pipelines.models.pretrain import MANIFEST, Encoder, file_digests, pretrain, shipped_base
+from pipelines.models.encoding import Encoder
+from pipelines.models.pretrain import MANIFEST, file_digests, pretrain, shipped_base
 
 
 def test_examples_are_a_function_of_seed_family_and_index():
