@@ -10,8 +10,8 @@ from typer.testing import CliRunner
 
 from pipelines.agent.prompts import build_initial_messages, variant_for
 from pipelines.config.agent import AgentConfig
-from pipelines.core.records import Task
-from pipelines.data.export_verl import AGENT_NAME, export_verl
+from pipelines.core.records import Task, read_tasks
+from pipelines.data.export_verl import AGENT_NAME, PlaceholderMismatch, export_verl, task_row
 from pipelines.data.synth import synthesize
 from pipelines.errors import DataError
 
@@ -112,6 +112,36 @@ def test_bad_rows_are_reported_with_file_and_line(task_dirs, tmp_path):
     with pytest.raises(DataError, match=r"tasks\.jsonl:2: missing media file"):
         export_verl([src], tmp_path / "strict", agent_cfg=AGENT, strict=True)
     assert not (tmp_path / "strict" / "pyvision_rl.parquet").exists()  # nothing half-written
+
+
+def test_a_literal_placeholder_is_a_placeholder_mismatch(task_dirs, tmp_path):
+    src = _bad_tasks(tmp_path / "bad", task_dirs[0])
+    literal = next(t for t in read_tasks(src)[0] if t.id == "literal")
+    with pytest.raises(PlaceholderMismatch) as caught:
+        task_row(literal, src, AGENT, index=0, split="train")
+    assert isinstance(caught.value, DataError)
+    assert caught.value.message == ("task literal: 2 <image> placeholders in the prompt but 1 "
+                                    "context images")
+    assert caught.value.hint == "remove literal <image>/<video>/<audio> from the question text"
+
+
+def test_the_skip_reason_is_the_error_type_not_its_text(task_dirs, tmp_path, monkeypatch):
+    from pipelines.data import export_verl as module
+
+    def row(task, *args, **kwargs):
+        if task.id.endswith("0"):  # media that cannot be used, whose message says "placeholders"
+            raise DataError(f"task {task.id}: the image named placeholders.png cannot be opened")
+        if task.id.endswith("1"):
+            raise PlaceholderMismatch(f"task {task.id}: not what the prompt holds")
+        return real(task, *args, **kwargs)
+
+    real = module.task_row
+    monkeypatch.setattr(module, "task_row", row)
+    info = export_verl([task_dirs[0]], tmp_path / "out", agent_cfg=AGENT)
+    assert info["rows"] == 1
+    assert info["skipped"] == {"bad_media": 1, "placeholder_mismatch": 1}
+    assert any(p.endswith("cannot be opened") for p in info["problems"])
+    assert any(p.endswith("not what the prompt holds") for p in info["problems"])
 
 
 def test_cli_export_verl(task_dirs, tmp_path):
