@@ -20,7 +20,8 @@ from pyvision_cli.common import (
     print_json,
 )
 
-# pipelines.rundir.STAGES, spelled out so that --help imports nothing (tests/test_cli.py checks).
+# pipelines.rundir.STAGES, spelled out so that --help imports nothing (checked by
+# tests/pyvision_cli/test_cli.py).
 Stage = Literal["data", "sft", "rl", "merge", "eval", "report"]
 app = make_app("Run a recipe end to end: data, sft, rl, merge, eval, report.")
 

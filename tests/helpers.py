@@ -6,6 +6,9 @@ import json
 from pathlib import Path
 from typing import Self
 
+# The repository root (the checkout), wherever the test module using it lives under tests/.
+REPO = Path(__file__).resolve().parent.parent
+
 
 def make_sharegpt(root: Path, n: int = 8) -> tuple[str, str]:
     """A small PyVision-protocol SFT dataset in LLaMA-Factory's sharegpt layout."""

@@ -3,8 +3,8 @@
 Every config model in the project derives from :class:`Section`: frozen (a resolved config is a
 value, never mutated), ``extra="forbid"`` (an unknown key is an error), and attribute docstrings
 become field descriptions, so the documentation of a field lives where it is declared.
-``tests/test_config.py`` checks that every field of every section has a description and that every
-numeric field has bounds.
+``tests/pipelines/config/test_config.py`` checks that every field of every section has a
+description and that every numeric field has bounds.
 
 This module imports only pydantic: the CLI builds configs before deciding whether to import torch.
 """

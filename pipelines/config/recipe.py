@@ -1,7 +1,7 @@
 """A recipe: one YAML file that describes a whole run, every stage included.
 
 Stage commands read the sections they need; `pyvision run` reads all of them. The shipped recipes
-live in ``pipelines/recipes/`` and are validated by ``tests/test_config.py``.
+live in ``pipelines/recipes/`` and are validated by ``tests/pipelines/config/test_config.py``.
 """
 
 from __future__ import annotations

@@ -58,18 +58,28 @@ from pipelines.fsutil import atomic_dir
 AGENT_NAME = "pyvision_agent"
 
 
+# Why a row was skipped, as counted in the export's "skipped" (see ReadReport.skip); a DataError of
+# no more specific kind counts as bad_media.
 PROMPT_TOO_LONG = "prompt_too_long"
+PLACEHOLDER_MISMATCH = "placeholder_mismatch"
+BAD_MEDIA = "bad_media"
 
 
 class PromptTooLong(DataError):
     """A task whose first turn does not fit the prompt budget."""
 
 
+class PlaceholderMismatch(DataError):
+    """A task whose prompt text does not hold one ``<image>`` per context image (a question that
+    contains a literal ``<image>``, ``<video>`` or ``<audio>``)."""
+
+
 def task_row(task: Task, root: Path, agent_cfg: AgentConfig, *, index: int, split: str,
              frames_dir: Path | None = None, frames_final: Path | None = None,
              count_tokens: Any = None, max_prompt_tokens: int | None = None) -> dict[str, Any]:
     """The verl row of one task (raises DataError when its media cannot be used, PromptTooLong
-    when ``count_tokens(messages)`` exceeds ``max_prompt_tokens``).
+    when ``count_tokens(messages)`` exceeds ``max_prompt_tokens``, PlaceholderMismatch when the
+    prompt's placeholders do not match its context images).
 
     Context frames of the uniform video baseline are saved into ``frames_dir`` and referenced at
     ``frames_final`` (where the folder will be once the export is complete).
@@ -104,9 +114,11 @@ def task_row(task: Task, root: Path, agent_cfg: AgentConfig, *, index: int, spli
     # would shift every image after it.
     if text.count(IMAGE_PLACEHOLDER) != len(images) or VIDEO_PLACEHOLDER in text \
             or "<audio>" in text:
-        raise DataError(f"task {task.id}: {text.count(IMAGE_PLACEHOLDER)} {IMAGE_PLACEHOLDER} "
-                        f"placeholders in the prompt but {len(images)} context images",
-                        hint="remove literal <image>/<video>/<audio> from the question text")
+        raise PlaceholderMismatch(f"task {task.id}: {text.count(IMAGE_PLACEHOLDER)} "
+                                  f"{IMAGE_PLACEHOLDER} placeholders in the prompt but "
+                                  f"{len(images)} context images",
+                                  hint="remove literal <image>/<video>/<audio> from the question "
+                                       "text")
     return {
         "agent_name": AGENT_NAME,
         "data_source": task.data_source,
@@ -162,17 +174,21 @@ PARALLEL_MIN_ROWS = 64
 _COUNTER: tuple[Any, int] | None = None
 
 
-def _try_row(job: tuple) -> tuple[dict[str, Any] | None, str | None, str | None]:
+def _try_row(job: tuple) -> tuple[dict[str, Any] | None, str | None, str | None, str | None]:
+    """``(row, None, None, None)``, or ``(None, skip reason, message, hint)`` for a bad task (plain
+    values: in a parallel export they come back from a worker process)."""
     task, root, agent_cfg, index, split, frames_dir, frames_final = job
     count, limit = _COUNTER if _COUNTER is not None else (None, None)
     try:
         return task_row(task, root, agent_cfg, index=index, split=split, frames_dir=frames_dir,
                         frames_final=frames_final, count_tokens=count,
-                        max_prompt_tokens=limit), None, None
+                        max_prompt_tokens=limit), None, None, None
     except PromptTooLong as exc:
-        return None, f"{PROMPT_TOO_LONG}: {exc.message}", exc.hint
+        return None, PROMPT_TOO_LONG, exc.message, exc.hint
+    except PlaceholderMismatch as exc:
+        return None, PLACEHOLDER_MISMATCH, exc.message, exc.hint
     except DataError as exc:
-        return None, exc.message, exc.hint
+        return None, BAD_MEDIA, exc.message, exc.hint
 
 
 def _rows(sources: Iterable[str | Path], agent_cfg: AgentConfig, *, split: str, strict: bool,
@@ -200,15 +216,13 @@ def _rows(sources: Iterable[str | Path], agent_cfg: AgentConfig, *, split: str, 
         results = pool.map(_try_row, jobs, chunksize=16)
     rows: list[dict[str, Any]] = []
     try:
-        for job, report, (row, message, hint) in zip(jobs, owners, results):
+        for job, report, (row, reason, message, hint) in zip(jobs, owners, results):
             if row is None:
                 where = f"{report.path}: row '{job[0].id}'"
                 if strict:
-                    raise DataError(f"{where}: {message}", hint=hint)
-                reason = ("placeholder_mismatch" if "placeholders" in str(message) else
-                          PROMPT_TOO_LONG if str(message).startswith(PROMPT_TOO_LONG) else
-                          "bad_media")
-                report.skip(reason, where, str(message).removeprefix(f"{PROMPT_TOO_LONG}: "))
+                    said = f"{PROMPT_TOO_LONG}: {message}" if reason == PROMPT_TOO_LONG else message
+                    raise DataError(f"{where}: {said}", hint=hint)
+                report.skip(reason, where, message)
                 report.kept -= 1
                 continue
             row["extra_info"]["index"] = len(rows)  # contiguous after skipped rows

@@ -36,9 +36,9 @@ from pipelines.models.curriculum import (
 )
 
 SKILLS = ("copy", "colour_copy", "readback", "image_text")
-# What the shipped base must reach (tests/test_pretrain.py checks it). A random model scores about
-# 0 on the first three and 0.25 (chance) on image_text; the shipped base scored 0.96 / 1.00 /
-# 1.00 / 0.49 on 100 items each.
+# What the shipped base must reach (tests/pipelines/models/test_pretrain.py checks it). A random
+# model scores about 0 on the first three and 0.25 (chance) on image_text; the shipped base scored
+# 0.96 / 1.00 / 1.00 / 0.49 on 100 items each.
 THRESHOLDS = {"copy": 0.9, "colour_copy": 0.9, "readback": 0.9, "image_text": 0.4}
 
 
@@ -134,7 +134,7 @@ def probe_image_text(model: Any, processor: Any, n: int, seed: int) -> float:
     import torch
 
     from pipelines.models.curriculum import IMAGE, _picture, chat
-    from pipelines.models.pretrain import Encoder, collate, token_losses
+    from pipelines.models.encoding import Encoder, collate, token_losses
 
     encode = Encoder(processor, 1024)
     hits = 0

@@ -1,0 +1,569 @@
+"""The sandbox: one adversarial property per test, plus the runtime's promised behaviour.
+
+The strict-mode tests need bubblewrap (CI installs it); they are skipped only where it is absent.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from pipelines.agent.sandbox import ExecResult, Sandbox, bwrap_available, isolation_mode
+from pipelines.config.sandbox import SandboxConfig
+from pipelines.errors import DataError
+from tests.helpers import REPO
+
+strict = pytest.mark.skipif(not bwrap_available(), reason="bubblewrap missing: CI installs it")
+
+
+@pytest.fixture
+def sbx():
+    with Sandbox(SandboxConfig(timeout_s=10, isolation="bwrap" if bwrap_available() else "auto"),
+                 images={"image_clue_0": Image.new("RGB", (64, 48), (250, 0, 0))}) as s:
+        yield s
+
+
+def _ok(result: ExecResult) -> str:
+    assert result.status == "ok", (result.status, result.stderr)
+    return result.stdout
+
+
+# -- isolation -------------------------------------------------------------------------------------
+
+
+@strict
+def test_no_network(sbx):
+    out = _ok(sbx.run(
+        "import socket\nres = []\nfor host in ('127.0.0.1', '1.1.1.1'):\n"
+        "    try:\n        socket.create_connection((host, 80), timeout=1)\n"
+        "        res.append('open')\n    except OSError as e:\n        res.append(type(e).__name__)\n"
+        "print(res)\nimport os\nprint(sorted(os.listdir('/sys/class/net')) if os.path.isdir('/sys/class/net') else 'nosys')"))
+    assert "open" not in out
+
+
+@strict
+def test_cannot_write_outside(sbx, tmp_path):
+    target = tmp_path / "escape.txt"
+    repo_target = REPO / "SANDBOX_ESCAPE.txt"
+    paths = [str(target), str(repo_target), "/root/x", "/usr/lib/x", "/work/x"]
+    out = _ok(sbx.run(
+        "res = []\n"
+        f"for p in {paths!r}:\n"
+        "    try:\n        open(p, 'w').write('pwned')\n        res.append('wrote')\n"
+        "    except OSError as e:\n        res.append(type(e).__name__)\n"
+        "open('/tmp/inside.txt', 'w').write('fine')\nprint(res)"))
+    results = dict(zip(paths, eval(out)))
+    # Nothing reaches the host. A path under /tmp may be writable inside the sandbox's private
+    # /tmp (a checkout under /tmp has its runtime's parent folders there); no other path is.
+    assert not target.exists() and not repo_target.exists()
+    assert all(r != "wrote" for p, r in results.items() if not p.startswith("/tmp/")), results
+    assert not Path("/tmp/inside.txt").exists() or Path("/tmp/inside.txt").read_text() != "fine"
+
+
+@strict
+def test_cannot_read_home_or_project(sbx):
+    out = _ok(sbx.run(
+        "import os\nres = {}\n"
+        f"for p in ['/etc/shadow', '/etc/passwd', os.path.expanduser('~root') + '/.bashrc', {str(REPO / 'pyproject.toml')!r}]:\n"
+        "    res[p] = os.path.exists(p)\n"
+        "print(res)\nprint(sorted(os.listdir('/')))"))
+    assert "True" not in out.splitlines()[0]
+    assert "home" not in out.splitlines()[1]
+
+
+@strict
+def test_environment_has_no_secrets(monkeypatch):
+    monkeypatch.setenv("PYVISION_TEST_SECRET", "hunter2")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "abc")
+    # A zygote started after the secret was set must not see it either.
+    from pipelines.agent import sandbox as sandbox_mod
+
+    sandbox_mod.shutdown()
+    with Sandbox(SandboxConfig(isolation="bwrap")) as s:
+        out = _ok(s.run("import os\nprint(sorted(os.environ))\nprint(os.environ.get('PYVISION_TEST_SECRET'))"))
+    assert "hunter2" not in out and "AWS_SECRET_ACCESS_KEY" not in out
+
+
+@strict
+def test_fork_bomb_is_contained(sbx):
+    result = sbx.run("import os\npids = []\nfor _ in range(200):\n    pids.append(os.fork())\n"
+                     "    if pids[-1] == 0:\n        import time; time.sleep(30); os._exit(0)\n")
+    assert result.status in ("error", "timeout", "crashed")
+    assert "BlockingIOError" in result.stderr or "Resource temporarily unavailable" in result.stderr \
+        or result.status != "error"
+    # The host is fine and a new sandbox starts quickly.
+    with Sandbox(SandboxConfig(isolation="bwrap")) as other:
+        assert _ok(other.run("print(1 + 1)")).strip() == "2"
+
+
+def test_memory_bomb_is_oom(sbx):
+    result = sbx.run("blocks = []\nwhile True:\n    blocks.append(bytearray(50 * 1024 * 1024))")
+    assert result.status == "oom", result
+    # The runtime survives a MemoryError and keeps its state.
+    assert _ok(sbx.run("blocks = None\nprint(image_clue_0.size)")).strip() == "(64, 48)"
+
+
+def test_infinite_loop_times_out():
+    with Sandbox(SandboxConfig(timeout_s=1.5)) as s:
+        start = time.monotonic()
+        result = s.run("while True:\n    pass")
+        assert result.status == "timeout" and "1.5 s" in result.stderr
+        assert time.monotonic() - start < 6
+        # The next call restarts a fresh runtime and says so.
+        again = s.run("print('back')")
+        assert again.status == "ok" and "restarted" in again.stdout and "back" in again.stdout
+
+
+@strict
+def test_killing_the_parent_is_impossible(sbx):
+    result = sbx.run(f"import os, signal\nfor pid in (os.getppid(), 1, -1, {os.getpid()}):\n"
+                     "    try:\n        os.kill(pid, signal.SIGKILL)\n    except Exception as e:\n"
+                     "        print(type(e).__name__)\nprint('survived')")
+    # We are still here (the test process was not killed), whatever the sandbox saw.
+    assert os.getpid() > 0
+    assert result.status in ("ok", "crashed")
+    with Sandbox(SandboxConfig(isolation="bwrap")) as other:
+        assert _ok(other.run("print('zygote alive')")).strip() == "zygote alive"
+
+
+def test_huge_output_is_truncated_while_streaming():
+    cfg = SandboxConfig(max_output_chars=1000, timeout_s=60)
+    with Sandbox(cfg) as s:
+        result = s.run("import sys\nchunk = 'x' * 1_000_000 + '\\n'\n"
+                       "print('HEAD')\nfor _ in range(100):\n    sys.stdout.write(chunk)\nprint('TAIL')")
+    assert result.status == "ok"
+    _assert_head_and_tail(result, "HEAD", "TAIL")
+
+
+def _assert_head_and_tail(result: ExecResult, head: str, tail: str) -> None:
+    """Output truncated to about 1000 characters, keeping its start and its end."""
+    assert result.truncated
+    assert result.stdout.startswith(head) and result.stdout.rstrip().endswith(tail)
+    assert "[truncated" in result.stdout and len(result.stdout) < 1200
+
+
+def test_c_level_and_child_output_is_captured(sbx):
+    out = _ok(sbx.run("import os\nos.write(1, b'from-fd\\n')\nos.system('echo from-child') if "
+                      "os.path.exists('/bin/sh') else print('from-child')"))
+    assert "from-fd" in out and "from-child" in out
+
+
+def test_segfault_is_crashed_and_next_sandbox_fine(sbx):
+    result = sbx.run("import ctypes\nctypes.string_at(0)")
+    assert result.status == "crashed" and "SIGSEGV" in result.stderr
+    with Sandbox() as other:
+        assert _ok(other.run("print(3)")).strip() == "3"
+
+
+def test_sys_exit_is_an_error_and_state_persists(sbx):
+    _ok(sbx.run("kept = 41"))
+    result = sbx.run("import sys\nsys.exit(3)")
+    assert result.status == "error" and "SystemExit" in result.stderr
+    assert _ok(sbx.run("print(kept + 1)")).strip() == "42"
+
+
+@strict
+def test_children_do_not_outlive_a_timeout():
+    with Sandbox(SandboxConfig(timeout_s=2)) as s:
+        marker = f"pyvision-orphan-{os.getpid()}"
+        result = s.run(
+            "import os, time\n"
+            "if os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+            f"        import sys; sys.argv[0] = {marker!r}\n"
+            "        while True: time.sleep(1)\n    os._exit(0)\n"
+            "while True: pass")
+        assert result.status == "timeout"
+    time.sleep(0.5)
+    # No process anywhere on the host still runs the sandbox's code: every sandbox process runs
+    # as uid 65534 under the zygote; none of them may remain besides the zygote itself.
+    leftovers = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                status = Path(f"/proc/{pid}/status").read_text()
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if "Uid:\t65534" in status and b"zygote.py" not in cmd:
+                leftovers.append((pid, cmd))
+    assert leftovers == []
+
+
+@strict
+def test_sandboxes_cannot_see_each_other():
+    with Sandbox() as a, Sandbox() as b:
+        _ok(a.run("open('/tmp/secret_a', 'w').write('a-data')\nimport os\nprint(os.getpid())"))
+        out = _ok(b.run("import os\nprint(os.path.exists('/tmp/secret_a'), os.getpid(), "
+                        "os.listdir('/proc'))"))
+        assert out.startswith("False 1 []")
+
+
+# -- runtime behaviour -------------------------------------------------------------------------
+
+
+def test_state_persists_across_calls(sbx):
+    _ok(sbx.run("import numpy as np\narr = np.arange(10)\ntotal = 5"))
+    assert _ok(sbx.run("print(int(arr.sum()) + total)")).strip() == "50"
+
+
+def test_image_capture_only_current_call(sbx):
+    r1 = sbx.run("crop = image_clue_0.crop((0, 0, 32, 24))\nplt.imshow(crop)\nplt.show()\n"
+                 "fig = plt.figure()\nplt.plot([1, 2])")
+    assert r1.status == "ok" and len(r1.images) == 1
+    assert Image.open(io.BytesIO(r1.images[0])).format == "PNG"
+    r2 = sbx.run("image_clue_0.crop((0, 0, 10, 10)).show()\ndisplay(np.zeros((5, 7), dtype=np.uint8))")
+    assert len(r2.images) == 2
+    assert Image.open(io.BytesIO(r2.images[0])).size == (10, 10)
+    assert Image.open(io.BytesIO(r2.images[1])).size == (7, 5)
+    assert sbx.run("print('none')").images == []
+
+
+def test_extreme_aspect_ratio_is_an_error(sbx):
+    result = sbx.run("Image.new('RGB', (4000, 10)).show()")
+    assert result.status == "error" and "aspect ratio" in result.stderr
+
+
+def _tiny_mp4(path: Path, frames: int = 12) -> None:
+    import av
+    import numpy as np
+
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("mpeg4", rate=6)
+        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
+        for i in range(frames):
+            arr = np.zeros((48, 64, 3), dtype=np.uint8)
+            arr[:, : 4 * (i + 1)] = 255
+            for packet in stream.encode(av.VideoFrame.from_ndarray(arr, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+
+
+def test_video_frame_sampling(tmp_path):
+    video = tmp_path / "clip.mp4"
+    _tiny_mp4(video)
+    with Sandbox(videos={"video_clue_0": video}) as s:
+        out = _ok(s.run("n = len(video_clue_0)\nidx = [0, n - 1]\n"
+                        "frames = video_clue_0.get_batch(idx).asnumpy()\n"
+                        "print(n, frames.shape, int(frames[0].mean() < frames[-1].mean()))\n"
+                        "plt.imshow(frames[-1])\nplt.show()"))
+        assert out.split()[0] == "12" and out.strip().endswith("1")
+        assert len(s.run("plt.imshow(video_clue_0[3].asnumpy()); plt.show()").images) == 1
+
+
+def test_bad_media_is_reported_before_running(tmp_path):
+    with pytest.raises(DataError, match="not found"):
+        Sandbox(images={"image_clue_0": tmp_path / "missing.png"})
+    corrupt = tmp_path / "corrupt.png"
+    corrupt.write_bytes(b"\x89PNG\r\n\x1a\nnot really")
+    with pytest.raises(DataError, match="corrupt"):
+        Sandbox(images={"image_clue_0": corrupt})
+    bad_video = tmp_path / "bad.mp4"
+    bad_video.write_bytes(b"nope")
+    with pytest.raises(DataError, match="cannot be decoded"):
+        Sandbox(videos={"video_clue_0": bad_video})
+
+
+def test_rlimit_fallback_works_and_warns():
+    from pipelines.agent.sandbox import isolation
+
+    isolation._warned_rlimit = False
+    with pytest.warns(RuntimeWarning, match="NOT A SECURITY BOUNDARY"):
+        s = Sandbox(SandboxConfig(isolation="rlimit", timeout_s=2),
+                    images={"image_clue_0": Image.new("RGB", (8, 8))})
+    with s:
+        assert s.isolation == "rlimit"
+        assert _ok(s.run("x = 2\nprint(image_clue_0.size)")).strip() == "(8, 8)"
+        assert s.run("while True: pass").status == "timeout"
+        assert s.run("print('ok')").status == "ok"
+    assert isolation_mode(SandboxConfig(isolation="rlimit")) == "rlimit"
+
+
+@strict
+def test_strict_sandbox_works_with_a_runtime_under_tmp(tmp_path):
+    # A checkout or venv in a temporary folder (CI clones into one) must not be hidden by the
+    # sandbox's own /tmp: neither at start-up nor for a module the code imports lazily.
+    import subprocess
+    import sys
+    import sysconfig
+
+    assert str(tmp_path).startswith("/tmp/")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    site = next(venv.glob("lib/python*/site-packages"))
+    (site / "host.pth").write_text(f"{sysconfig.get_paths()['purelib']}\n{REPO}\n")
+    (site / "probe_under_tmp.py").write_text("VALUE = 42\n")
+    # World-writable, so only a read-only mount (not file ownership) can refuse the write below.
+    (site / "probe_under_tmp.py").chmod(0o666)
+    script = (
+        "from pipelines.agent.sandbox import Sandbox, bwrap_available\n"
+        "from pipelines.config.sandbox import SandboxConfig\n"
+        "assert bwrap_available(), 'bwrap cannot start this interpreter'\n"
+        "with Sandbox(SandboxConfig(isolation='bwrap', timeout_s=10)) as s:\n"
+        "    r = s.run('import probe_under_tmp\\nprint(probe_under_tmp.VALUE)')\n"
+        "    w = s.run('open(probe_under_tmp.__file__, \"a\").write(\"x\")')\n"
+        "    print(r.status, r.stdout.strip(), w.status, w.stderr.strip().splitlines()[-1:])\n")
+    out = subprocess.run([str(venv / "bin" / "python"), "-c", script], capture_output=True,
+                         text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[:3] == ["ok", "42", "error"], out.stdout
+    assert "Read-only file system" in out.stdout, out.stdout
+    assert (site / "probe_under_tmp.py").read_text() == "VALUE = 42\n"
+
+
+@pytest.mark.parametrize("mode", ["rlimit", pytest.param("bwrap", marks=strict)])
+def test_libraries_outside_site_packages_reach_the_sandbox(tmp_path, monkeypatch, mode):
+    # `python -I` ignores PYTHONPATH: a preloaded library installed with `pip install --target`
+    # (a cluster module, the GPU machine's layout) must still be importable inside.
+    from pipelines.agent import sandbox as sandbox_mod
+    from pipelines.agent.sandbox import isolation, zygote_host
+
+    root = tmp_path / "target"
+    root.mkdir()
+    (root / "probe_target.py").write_text("VALUE = 42\n")
+    monkeypatch.syspath_prepend(str(root))
+    monkeypatch.setattr(isolation, "PRELOADED_MODULES",
+                        (*isolation.PRELOADED_MODULES, "probe_target"))
+    monkeypatch.setattr(zygote_host, "_ZYGOTES", {})  # a fresh zygote sees the new roots
+    roots = isolation.import_roots()
+    assert str(root) in roots
+    assert str(REPO) not in roots  # the checkout is on sys.path here, never in the sandbox
+    try:
+        with Sandbox(SandboxConfig(isolation=mode, timeout_s=10)) as s:
+            out = _ok(s.run("import sys, probe_target\n"
+                            f"print(probe_target.VALUE, {str(REPO)!r} in sys.path)"))
+    finally:
+        sandbox_mod.shutdown()
+    assert out.split() == ["42", "False"]
+
+
+@pytest.mark.parametrize("mode", ["rlimit", pytest.param("bwrap", marks=strict)])
+def test_a_sandbox_that_cannot_open_its_video_says_why(tmp_path, monkeypatch, mode):
+    from pipelines.agent import sandbox as sandbox_mod
+    from pipelines.agent.sandbox import isolation, zygote_host
+
+    root = tmp_path / "shadow"
+    (root / "decord").mkdir(parents=True)
+    (root / "decord" / "__init__.py").write_text("raise ImportError('planted')\n")
+    real_roots = isolation.import_roots
+    monkeypatch.setattr(isolation, "import_roots", lambda: [str(root), *real_roots()])
+    monkeypatch.setattr(zygote_host, "_ZYGOTES", {})
+    video = tmp_path / "clip.mp4"
+    _tiny_mp4(video)
+    try:
+        with pytest.raises(sandbox_mod.SandboxSetupError,
+                           match="decord is not importable in the sandbox.*video_clue_0"
+                                 ".*Fix: install decord") as info:
+            Sandbox(SandboxConfig(isolation=mode, timeout_s=10), videos={"video_clue_0": video})
+        assert info.value.exit_code == 2
+        # Images need no decord: the same zygote still serves them.
+        with Sandbox(SandboxConfig(isolation=mode, timeout_s=10),
+                     images={"image_clue_0": Image.new("RGB", (8, 8))}) as s:
+            assert _ok(s.run("print(image_clue_0.size)")).strip() == "(8, 8)"
+    finally:
+        sandbox_mod.shutdown()
+
+
+def test_doctor_reports_a_library_the_sandbox_cannot_import(tmp_path, monkeypatch):
+    from pipelines import doctor
+    from pipelines.agent import sandbox as sandbox_mod
+    from pipelines.agent.sandbox import isolation, zygote_host
+
+    root = tmp_path / "shadow"
+    (root / "decord").mkdir(parents=True)
+    (root / "decord" / "__init__.py").write_text("raise ImportError('planted')\n")
+    real_roots = isolation.import_roots
+    monkeypatch.setattr(isolation, "import_roots", lambda: [str(root), *real_roots()])
+    monkeypatch.setattr(zygote_host, "_ZYGOTES", {})
+    try:
+        check = doctor._sandbox_runtime_check()
+    finally:
+        sandbox_mod.shutdown()
+    assert check.status == "warn", check
+    assert check.found == "not importable inside the sandbox: decord (video tasks fail)"
+    assert "install decord" in check.fix
+
+
+def test_result_json_shape(sbx):
+    data = sbx.run("print('hi')\nplt.plot([1]); plt.show()").to_json(image_paths=["a.png"])
+    assert set(data) >= {"status", "stdout", "stderr", "images", "duration_s"}
+    assert data["images"] == ["a.png"] and json.dumps(data)
+
+
+def test_cli_run_json_and_exit_codes(tmp_path):
+    from typer.testing import CliRunner
+
+    from pyvision_cli.sandbox import app
+
+    img = tmp_path / "in.png"
+    Image.new("RGB", (40, 30), (1, 2, 3)).save(img)
+    code = tmp_path / "code.py"
+    code.write_text("print(image_clue_0.size)\nplt.imshow(np.asarray(image_clue_0)); plt.show()\n1/0\n")
+    runner = CliRunner()
+    result = runner.invoke(app, ["run", str(code), "--image", str(img), "--out-dir",
+                                 str(tmp_path / "out"), "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["status"] == "error" and "ZeroDivisionError" in data["stderr"]
+    assert data["stdout"].strip() == "(40, 30)" and len(data["images"]) == 1
+    assert Path(data["images"][0]).is_file() and data["duration_s"] >= 0
+    missing = runner.invoke(app, ["run", str(code), "--image", str(tmp_path / "nope.png")])
+    assert missing.exit_code == 2 and "not found" in missing.output
+    bad = runner.invoke(app, ["run", str(tmp_path / "nope.py")])
+    assert bad.exit_code == 2 and "code file not found" in bad.output
+
+
+# -- what a failed call still says ---------------------------------------------------------------
+# A call that times out, crashes, ends the process or is killed for memory returns what the code
+# printed before (bounded), followed by the reason.
+
+modes = pytest.mark.parametrize("mode", ["rlimit", pytest.param("bwrap", marks=strict)])
+
+
+@modes
+def test_output_printed_before_a_timeout_is_kept(mode):
+    with Sandbox(SandboxConfig(isolation=mode, timeout_s=1.5)) as s:
+        start = time.monotonic()
+        result = s.run("import os\nprint('step 1')\nos.write(1, b'from-fd\\n')\nwhile True: pass")
+        elapsed = time.monotonic() - start
+    assert result.status == "timeout"
+    assert "step 1" in result.stdout and "from-fd" in result.stdout
+    assert "killed after 1.5 s" in result.stderr
+    assert elapsed < 1.5 + 1.0
+
+
+@modes
+def test_output_printed_before_a_segfault_is_kept(mode):
+    with Sandbox(SandboxConfig(isolation=mode, timeout_s=10)) as s:
+        result = s.run("print('before the crash')\nimport ctypes\nctypes.string_at(0)")
+    assert result.status == "crashed"
+    assert result.stdout.startswith("before the crash")
+    assert "killed by SIGSEGV" in result.stderr
+
+
+@modes
+def test_output_printed_before_os_exit_is_kept(mode):
+    with Sandbox(SandboxConfig(isolation=mode, timeout_s=10)) as s:
+        result = s.run("print('partial', end='')\nimport os\nos._exit(3)")
+        assert result.status == "crashed" and result.stdout == "partial"
+        assert "exited with code 3" in result.stderr
+        # The next call runs in a fresh runtime and says so.
+        assert "restarted" in s.run("print(1)").stdout
+
+
+def test_output_printed_before_a_memory_kill_is_kept():
+    # The kernel's OOM killer (or a cgroup) ends a process with SIGKILL; in rlimit mode the code
+    # can send itself the same signal (pid 1 of the strict sandbox's namespace cannot).
+    with Sandbox(SandboxConfig(isolation="rlimit", timeout_s=10, memory_mb=1024)) as s:
+        result = s.run("print('allocated 3 blocks')\nimport os, signal\n"
+                       "os.kill(os.getpid(), signal.SIGKILL)")
+    assert result.status == "oom"
+    assert result.stdout.strip() == "allocated 3 blocks"
+    assert "memory limit" in result.stderr and "1024 MiB" in result.stderr
+
+
+@modes
+def test_output_kept_after_a_failure_is_bounded(mode):
+    cfg = SandboxConfig(isolation=mode, timeout_s=2, max_output_chars=1000)
+    with Sandbox(cfg) as s:
+        result = s.run("import sys\nprint('HEAD')\nfor i in range(200_000):\n    print(i)\n"
+                       "print('TAIL-\\u00e9\\u4e2d')\nsys.stdout.flush()\nwhile True: pass")
+    assert result.status == "timeout"
+    _assert_head_and_tail(result, "HEAD", "TAIL-\u00e9\u4e2d")
+
+
+def _pyvision(*args: str, timeout: float = 120) -> tuple[subprocess.CompletedProcess, float]:
+    """Run this checkout's CLI in a subprocess; return the result and its wall time."""
+    import sys
+
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "pyvision_cli.main", *args], cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True,
+                          text=True, timeout=timeout, check=False)
+    return proc, time.monotonic() - start
+
+
+def test_cli_timeout_returns_within_a_second_of_the_limit(tmp_path):
+    quick = tmp_path / "quick.py"
+    quick.write_text("print('quick')\n")
+    loop = tmp_path / "loop.py"
+    loop.write_text("print('started')\nwhile True:\n    pass\n")
+    base, startup = _pyvision("sandbox", "run", str(quick))
+    assert base.returncode == 0 and base.stdout.strip() == "quick", base.stderr
+    proc, elapsed = _pyvision("sandbox", "run", str(loop), "--timeout", "3")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "started" and "killed after 3 s" in proc.stderr
+    # The command's own start-up (imports, zygote) is measured by the quick run.
+    assert elapsed - startup < 3 + 1.0, (elapsed, startup)
+
+
+def test_showing_a_huge_image_downscales_it_and_the_runtime_keeps_its_state(sbx):
+    from pipelines.agent.sandbox import SHOWN_IMAGE_MAX_PIXELS
+
+    _ok(sbx.run("kept = 41"))
+    code = ("noise = np.random.default_rng(0).integers(0, 255, (8000, 8000, 3), dtype=np.uint8)\n"
+            "display(noise)\nImage.fromarray(noise).show()\ndel noise\n"
+            "plt.figure(figsize=(80, 80), dpi=100)\nplt.plot([0, 1])\nplt.show()\nprint('done')")
+    result = sbx.run(code)
+    assert result.status == "ok", result.stderr
+    assert len(result.images) == 3
+    for png in result.images:
+        w, h = Image.open(io.BytesIO(png)).size
+        assert w * h <= SHOWN_IMAGE_MAX_PIXELS and abs(w - h) <= 1
+    assert result.stdout.count("downscaled") == 3 and "8000x8000" in result.stdout
+    assert _ok(sbx.run("print(kept + 1)")).strip() == "42"
+
+
+def test_sys_stdout_buffer_is_captured(sbx):
+    out = _ok(sbx.run("import sys\nsys.stdout.buffer.write('h\\u00e9llo '.encode()[:2])\n"
+                      "sys.stdout.buffer.write('h\\u00e9llo '.encode()[2:])\n"
+                      "sys.stdout.buffer.flush()\nprint(sys.stdout.encoding)"))
+    assert out == "h\u00e9llo utf-8\n"
+
+
+def test_image_limit_is_said_once_per_call():
+    with Sandbox(SandboxConfig(max_images_per_call=4, timeout_s=30)) as s:
+        result = s.run("for i in range(30):\n    Image.new('RGB', (8, 8)).show()\n"
+                       "for i in range(3):\n    plt.figure(); plt.plot([i])\nplt.show()\n"
+                       "fig = plt.figure()\ndisplay(fig)\nprint('end')")
+    assert result.status == "ok" and len(result.images) == 4
+    notes = [line for line in result.stdout.splitlines() if line.startswith("[sandbox")]
+    assert notes == ["[sandbox: 30 images beyond the limit of 4 per call were not shown]"]
+
+
+def test_cli_leaves_no_empty_output_folder(tmp_path, monkeypatch):
+    import tempfile
+
+    from typer.testing import CliRunner
+
+    from pyvision_cli.sandbox import app
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    code = tmp_path / "code.py"
+    code.write_text("print('no images')\n")
+    result = CliRunner().invoke(app, ["run", str(code)])
+    assert result.exit_code == 0 and "no images" in result.output
+    assert list(tmp_path.glob("pyvision-sandbox-out-*")) == []
+    code.write_text("plt.plot([1]); plt.show()\n")
+    result = CliRunner().invoke(app, ["run", str(code), "--json"])
+    (folder,) = tmp_path.glob("pyvision-sandbox-out-*")
+    assert json.loads(result.stdout)["images"] == [str(folder / "image_0.png")]
+
+
+@strict
+def test_rlimit_by_choice_does_not_say_bubblewrap_is_missing(monkeypatch):
+    from pipelines.agent.sandbox import isolation
+
+    monkeypatch.setattr(isolation, "_warned_rlimit", False)
+    with pytest.warns(RuntimeWarning) as warned:
+        isolation_mode(SandboxConfig(isolation="rlimit"))
+    (message,) = [str(w.message) for w in warned]
+    assert "NOT A SECURITY BOUNDARY" in message and "unavailable" not in message
+    assert "isolation=rlimit was chosen" in message and "bubblewrap is installed" in message
