@@ -239,6 +239,9 @@ def lean_step(model: Any) -> _LeanStep | None:
     lm = getattr(getattr(model, "model", None), "language_model", None)
     if type(lm) is not q.Qwen2_5_VLTextModel or model.training:
         return None
+    # A forward replaced on the instance (a wrapper, an instrumented model) must be called.
+    if any("forward" in vars(m) for m in (model, model.model, lm)):
+        return None
     cfg = lm.config
     if set(cfg.layer_types) != {"full_attention"} or \
             cfg.rope_parameters.get("rope_type", "default") != "default" or \
