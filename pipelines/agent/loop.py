@@ -22,6 +22,7 @@ first turn alone exceeds ``max_prompt_tokens``: the episode never generates, and
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import time
@@ -128,10 +129,9 @@ def run_episodes(items: Iterable[tuple[Task, Path]], policy: Policy, agent_cfg: 
     def close_sandbox(ep: Episode) -> None:
         if ep.sandbox is None and ep.sandbox_ready is not None and \
                 not ep.sandbox_ready.cancel():
-            try:
+            # Never used: a start error is moot, the sandbox (if it started) is closed.
+            with contextlib.suppress(Exception):
                 ep.sandbox = ep.sandbox_ready.result()
-            except Exception:  # noqa: BLE001 - never used: its start error is moot
-                pass
         if ep.sandbox is not None:
             ep.sandbox.close()
 
