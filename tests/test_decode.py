@@ -159,3 +159,18 @@ def test_a_model_with_a_forward_hook_takes_the_reference_path(policy):
     finally:
         handle.remove()
     assert lean_step(policy.model) is not None
+
+
+def test_processor_kwarg_checks_are_remembered_and_bad_ones_still_raise(policy):
+    from transformers import processing_utils
+
+    from pipelines.agent.policies import tokens
+
+    assert getattr(processing_utils.validate_typed_dict, "remembers", False)
+    img = Image.new("RGB", (56, 56))
+    policy.tokens.encode("<|vision_start|><|image_pad|><|vision_end|>hi", [img])
+    seen = len(tokens._CHECKED)
+    policy.tokens.encode("<|vision_start|><|image_pad|><|vision_end|>hi again", [img])
+    assert len(tokens._CHECKED) == seen  # the same arguments: nothing new to check
+    with pytest.raises(Exception, match="min_pixels"):
+        policy.processor(text=["x"], images=[img], min_pixels="many", return_tensors="pt")
