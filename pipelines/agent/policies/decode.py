@@ -12,6 +12,10 @@ every step, and single-token queries attend with grouped KV heads without first 
 head once per query head (``transformers``' sdpa path repeats them whenever there is a mask).
 ``transformers``' own continuous batching would do more, but it is text-only.
 
+A decode step of a stock Qwen2.5-VL does not go through ``model(...)`` at all (:class:`_LeanStep`):
+the same ops on the same weights, without the per-call mask construction, output capture and
+per-layer rotary work, so logits are bit-identical and the model's forward only runs the prefill.
+
 Everything else is what ``generate`` does: a prefill that runs the vision tower once, then one
 token per step from the KV cache, Qwen2.5-VL's 3-D (mRoPE) positions for image tokens (computed
 once by the model's own ``get_rope_index``; text positions then advance by one per token),
