@@ -180,13 +180,16 @@ def _record(task: Task, traj: Any, scores: Any, scored_by: Any, media: Any, blob
         model_fingerprint=fingerprint, media=media, blobs=blobs)
 
 
-def _write_finished(unwritten: deque, wait: bool, make: Callable[..., EvalRecord], writer: Any,
+def _write_finished(unwritten: deque, wait: bool, scoring: Scoring,
+                    make: Callable[..., EvalRecord], writer: Any,
                     on_sample: Callable[[str, EvalRecord], None] | None, progress: Any) -> int:
-    """Write the oldest samples whose thumbnails are made (all of them when ``wait``), in
-    order; how many."""
+    """Score and write the oldest samples whose thumbnails are made (all of them when
+    ``wait``), in order; how many. A sample is scored just before it is written, so every
+    ``on_sample`` call still comes before the next sample is scored."""
     n = 0
     while unwritten and (wait or unwritten[0][-1].done()):
-        task, traj, scores, scored_by, made = unwritten.popleft()
+        task, traj, made = unwritten.popleft()
+        scores, scored_by = scoring.score(task, traj.final_answer)
         rec = make(task, traj, scores, scored_by, *made.result())
         writer.add(rec)
         n += 1
@@ -279,21 +282,21 @@ def run_eval(recipe: Recipe, *, model: str, model_tag: str, benchmarks: list[str
         stored = 0
         # Thumbnails are made on a worker thread while the loop goes on (PIL releases the GIL);
         # records are still written in the order the trajectories finished.
-        unwritten: deque[tuple[Task, Any, Any, Any, Future]] = deque()
+        unwritten: deque[tuple[Task, Any, Future]] = deque()
         media_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eval-media")
         make = functools.partial(_record, run_id=run_id, model_tag=model_tag, name=name,
                                  bench=bench, scoring=scoring, fingerprint=fingerprint)
+        sink = (scoring, make, writer, on_sample, progress)
         try:
             for traj in run_episodes([(t, Path("/")) for t in pending], policy,
                                      recipe.agent, recipe.sandbox, mode="eval", batch_size=batch):
                 task = by_id[traj.task_id]
-                scores, scored_by = scoring.score(task, traj.final_answer)
-                unwritten.append((task, traj, scores, scored_by, media_pool.submit(
+                unwritten.append((task, traj, media_pool.submit(
                     trajectory_media, task, Path("/"), traj, recipe.report.thumbnail_px)))
-                stored += _write_finished(unwritten, False, make, writer, on_sample, progress)
-            stored += _write_finished(unwritten, True, make, writer, on_sample, progress)
+                stored += _write_finished(unwritten, False, *sink)
+            stored += _write_finished(unwritten, True, *sink)
         except KeyboardInterrupt:  # the samples that finished are kept
-            stored += _write_finished(unwritten, True, make, writer, on_sample, progress)
+            stored += _write_finished(unwritten, True, *sink)
             writer.flush()
             progress.close()
             close = getattr(policy, "close", None)
