@@ -22,6 +22,7 @@ first turn alone exceeds ``max_prompt_tokens``: the episode never generates, and
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import time
@@ -50,6 +51,7 @@ class Episode:
     handle: Any
     runtime_media: dict[str, dict[str, Path]]
     sandbox: Any = None
+    sandbox_ready: Any = None  # Future of the sandbox, started with the episode
     images_in_context: int = 0
     start: float = field(default_factory=time.monotonic)
     pending_code: str | None = None
@@ -91,8 +93,7 @@ def run_episodes(items: Iterable[tuple[Task, Path]], policy: Policy, agent_cfg: 
             t.request_usage = usage(ep.handle)
         t.total_s = time.monotonic() - ep.start
         policy.end(ep.handle)
-        if ep.sandbox is not None:
-            ep.sandbox.close()
+        close_sandbox(ep)
         done.append(t)
 
     def start(item: int, sample: int, task: Task, root: Path) -> Episode:
@@ -113,14 +114,26 @@ def run_episodes(items: Iterable[tuple[Task, Path]], policy: Policy, agent_cfg: 
         return Episode(item, sample, task, traj, handle, runtime,
                        images_in_context=len(traj.images))
 
+    def new_sandbox(ep: Episode) -> Any:
+        return Sandbox(sandbox_cfg, images=ep.runtime_media["images"],
+                       videos=ep.runtime_media["videos"],
+                       context_pixels=(agent_cfg.image_min_pixels, agent_cfg.image_max_pixels),
+                       context_factor=agent_cfg.image_factor)
+
     def run_code(ep: Episode) -> Any:
-        if ep.sandbox is None:
-            ep.sandbox = Sandbox(sandbox_cfg, images=ep.runtime_media["images"],
-                                 videos=ep.runtime_media["videos"],
-                                 context_pixels=(agent_cfg.image_min_pixels,
-                                                 agent_cfg.image_max_pixels),
-                                 context_factor=agent_cfg.image_factor)
+        if ep.sandbox is None:  # a failed start raises here, as a lazy one would
+            ep.sandbox = (ep.sandbox_ready.result() if ep.sandbox_ready is not None
+                          else new_sandbox(ep))
         return ep.sandbox.run(ep.pending_code or "")
+
+    def close_sandbox(ep: Episode) -> None:
+        if ep.sandbox is None and ep.sandbox_ready is not None and \
+                not ep.sandbox_ready.cancel():
+            # Never used: a start error is moot, the sandbox (if it started) is closed.
+            with contextlib.suppress(Exception):
+                ep.sandbox = ep.sandbox_ready.result()
+        if ep.sandbox is not None:
+            ep.sandbox.close()
 
     streams = policy is not None and "on_done" in inspect.signature(policy.generate).parameters
     try:
@@ -134,6 +147,9 @@ def run_episodes(items: Iterable[tuple[Task, Path]], policy: Policy, agent_cfg: 
                     finish(ep, "context_overflow")
                 else:
                     active.append(ep)
+                    # Fork the sandbox and load its media now, while the model generates,
+                    # instead of when the first code block is ready (off the critical path).
+                    ep.sandbox_ready = pool.submit(new_sandbox, ep)
             yield from _drain(done)
             if not active:
                 continue
@@ -221,8 +237,7 @@ def run_episodes(items: Iterable[tuple[Task, Path]], policy: Policy, agent_cfg: 
     finally:
         for ep in active:
             policy.end(ep.handle)
-            if ep.sandbox is not None:
-                ep.sandbox.close()
+            close_sandbox(ep)
         pool.shutdown(wait=False)
 
 

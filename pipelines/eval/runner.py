@@ -20,8 +20,11 @@ the samples already stored, each complete in its own transaction, and a re-run r
 
 from __future__ import annotations
 
+import functools
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -161,6 +164,41 @@ def check_same_eval_settings(store: Store, run_id: str, recipe: Recipe) -> None:
                              "the run's stored samples and evaluate again")
 
 
+def _record(task: Task, traj: Any, scores: Any, scored_by: Any, media: Any, blobs: Any, *,
+            run_id: str, model_tag: str, name: str, bench: Any, scoring: Scoring,
+            fingerprint: str | None) -> EvalRecord:
+    return EvalRecord(
+        run_id=run_id, model=model_tag, benchmark=name, sample_id=task.id,
+        benchmark_version=bench.version, prompt_version=traj.prompt_version,
+        prompt_hash=traj.prompt_hash, scorer=scoring.sample_scorer(scored_by),
+        scored_by=scored_by, task=task.model_dump(mode="json"),
+        prediction=traj.final_answer, stop_reason=traj.stop_reason,
+        turns=traj.num_turns, tool_calls=traj.tool_calls,
+        failed_calls=traj.failed_calls, visual_tokens=traj.visual_tokens,
+        total_tokens=(traj.prompt_tokens + traj.generated_tokens + traj.observation_tokens),
+        duration_s=traj.total_s, trajectory=traj.to_json(), scores=scores,
+        model_fingerprint=fingerprint, media=media, blobs=blobs)
+
+
+def _write_finished(unwritten: deque, wait: bool, scoring: Scoring,
+                    make: Callable[..., EvalRecord], writer: Any,
+                    on_sample: Callable[[str, EvalRecord], None] | None, progress: Any) -> int:
+    """Score and write the oldest samples whose thumbnails are made (all of them when
+    ``wait``), in order; how many. A sample is scored just before it is written, so every
+    ``on_sample`` call still comes before the next sample is scored."""
+    n = 0
+    while unwritten and (wait or unwritten[0][-1].done()):
+        task, traj, made = unwritten.popleft()
+        scores, scored_by = scoring.score(task, traj.final_answer)
+        rec = make(task, traj, scores, scored_by, *made.result())
+        writer.add(rec)
+        n += 1
+        if on_sample is not None:
+            on_sample(rec.benchmark, rec)
+        progress.advance()
+    return n
+
+
 def run_eval(recipe: Recipe, *, model: str, model_tag: str, benchmarks: list[str], run_id: str,
              store: Store, data_dirs: Mapping[str, str | Path] | None = None,
              limit: int | None = None, engine: str | None = None, base_url: str | None = None,
@@ -242,30 +280,23 @@ def run_eval(recipe: Recipe, *, model: str, model_tag: str, benchmarks: list[str
                                   status=getattr(policy, "activity", None))
         writer = store.eval_writer(cfg.commit_interval_s)
         stored = 0
+        # Thumbnails are made on a worker thread while the loop goes on (PIL releases the GIL);
+        # records are still written in the order the trajectories finished.
+        unwritten: deque[tuple[Task, Any, Future]] = deque()
+        media_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eval-media")
+        make = functools.partial(_record, run_id=run_id, model_tag=model_tag, name=name,
+                                 bench=bench, scoring=scoring, fingerprint=fingerprint)
+        sink = (scoring, make, writer, on_sample, progress)
         try:
-            for traj in run_episodes([(t, Path("/")) for t in pending], policy, recipe.agent,
-                                     recipe.sandbox, mode="eval", batch_size=batch):
+            for traj in run_episodes([(t, Path("/")) for t in pending], policy,
+                                     recipe.agent, recipe.sandbox, mode="eval", batch_size=batch):
                 task = by_id[traj.task_id]
-                scores, scored_by = scoring.score(task, traj.final_answer)
-                media, blobs = trajectory_media(task, Path("/"), traj, recipe.report.thumbnail_px)
-                rec = EvalRecord(
-                    run_id=run_id, model=model_tag, benchmark=name, sample_id=task.id,
-                    benchmark_version=bench.version, prompt_version=traj.prompt_version,
-                    prompt_hash=traj.prompt_hash, scorer=scoring.sample_scorer(scored_by),
-                    scored_by=scored_by, task=task.model_dump(mode="json"),
-                    prediction=traj.final_answer, stop_reason=traj.stop_reason,
-                    turns=traj.num_turns, tool_calls=traj.tool_calls,
-                    failed_calls=traj.failed_calls, visual_tokens=traj.visual_tokens,
-                    total_tokens=(traj.prompt_tokens + traj.generated_tokens
-                                  + traj.observation_tokens),
-                    duration_s=traj.total_s, trajectory=traj.to_json(), scores=scores,
-                    model_fingerprint=fingerprint, media=media, blobs=blobs)
-                writer.add(rec)
-                stored += 1
-                if on_sample is not None:
-                    on_sample(name, rec)
-                progress.advance()
-        except KeyboardInterrupt:
+                unwritten.append((task, traj, media_pool.submit(
+                    trajectory_media, task, Path("/"), traj, recipe.report.thumbnail_px)))
+                stored += _write_finished(unwritten, False, *sink)
+            stored += _write_finished(unwritten, True, *sink)
+        except KeyboardInterrupt:  # the samples that finished are kept
+            stored += _write_finished(unwritten, True, *sink)
             writer.flush()
             progress.close()
             close = getattr(policy, "close", None)
@@ -275,6 +306,7 @@ def run_eval(recipe: Recipe, *, model: str, model_tag: str, benchmarks: list[str
                       f"finished in this run; run the same command again to resume", soft_wrap=True)
             raise
         finally:
+            media_pool.shutdown(wait=True)
             writer.flush()
             progress.close()
         aggregate, n_samples, scored_by = store_aggregate(store, run_id, model_tag, scoring, by_id)

@@ -12,6 +12,10 @@ every step, and single-token queries attend with grouped KV heads without first 
 head once per query head (``transformers``' sdpa path repeats them whenever there is a mask).
 ``transformers``' own continuous batching would do more, but it is text-only.
 
+A decode step of a stock Qwen2.5-VL does not go through ``model(...)`` at all (:class:`_LeanStep`):
+the same ops on the same weights, without the per-call mask construction, output capture and
+per-layer rotary work, so logits are bit-identical and the model's forward only runs the prefill.
+
 Everything else is what ``generate`` does: a prefill that runs the vision tower once, then one
 token per step from the KV cache, the 3-D (mRoPE) positions of Qwen2.5-VL and Qwen3-VL for image
 tokens (computed once by the model's own ``get_rope_index``; text positions then advance by one
@@ -144,6 +148,137 @@ def _use_decode_attention(model: Any) -> Any:
     return switch()
 
 
+class _LeanStep:
+    """One decode step (one new token per row) of a Qwen2.5-VL text model, without
+    ``transformers``' per-call machinery: no output records, no mask construction (the padding
+    mask is the whole mask for a single query), rotary cos/sin computed and split into mRoPE
+    sections once per step instead of once per layer, and logits for that token only.
+
+    The arithmetic is the model's own, op for op and in the same order (the same weights through
+    the same ``linear`` / RMSNorm / rotary / attention calls), so the logits are bit-identical to
+    ``model(...)``'s and the sampled tokens and log-probs do not change; ``tests/test_decode.py``
+    checks it. :func:`lean_step` builds one only for a model whose modules are exactly the stock
+    Qwen2.5-VL ones (no adapters, hooks or kernels replacing a forward); anything else takes the
+    ``model(...)`` path.
+    """
+
+    def __init__(self, model: Any) -> None:
+        from torch.nn.functional import silu  # what the checked SiLU modules call
+
+        lm = model.model.language_model
+        self.rotary = lm.rotary_emb
+        self.embed = lm.embed_tokens.weight
+        self.norm = (lm.norm.weight, lm.norm.variance_epsilon)
+        self.head = model.lm_head.weight
+        self.sections = list(lm.config.rope_parameters["mrope_section"]) * 2
+        self.layers = []
+        for layer in lm.layers:
+            a, m = layer.self_attn, layer.mlp
+            self.layers.append((
+                layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
+                a.q_proj.weight, a.q_proj.bias, a.k_proj.weight, a.k_proj.bias,
+                a.v_proj.weight, a.v_proj.bias, a.o_proj.weight, a.head_dim, a.scaling,
+                layer.post_attention_layernorm.weight,
+                layer.post_attention_layernorm.variance_epsilon,
+                m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight, silu))
+
+    @staticmethod
+    def _rms(x: Any, weight: Any, eps: float) -> Any:
+        import torch
+
+        dtype = x.dtype  # Qwen2_5_VLRMSNorm.forward
+        x = x.to(torch.float32)
+        variance = x.pow(2).mean(-1, keepdim=True)
+        x = x * torch.rsqrt(variance + eps)
+        return weight * x.to(dtype)
+
+    def __call__(self, tok: Any, positions: Any, mask: Any, layers: list[Any]) -> Any:
+        """Logits ``[B, V]`` of the token after ``tok`` (``[B]``) at ``positions`` (``[3, B, 1]``);
+        ``mask`` is ``[B, 1, 1, L]`` boolean (L counting this token) or None; ``layers`` the
+        cache layers, which this step extends."""
+        import torch
+        from torch.nn.functional import embedding, linear
+
+        h = embedding(tok[:, None], self.embed)
+        b = h.shape[0]
+        cos, sin = self.rotary(h, positions)  # [3, B, 1, D]
+        cos = torch.cat([c[i % 3] for i, c in enumerate(cos.split(self.sections, dim=-1))],
+                        dim=-1).unsqueeze(1)
+        sin = torch.cat([c[i % 3] for i, c in enumerate(sin.split(self.sections, dim=-1))],
+                        dim=-1).unsqueeze(1)
+        for cache, (in_w, in_eps, qw, qb, kw, kb, vw, vb, ow, hd, scaling, post_w, post_eps,
+                    gw, uw, dw, act) in zip(layers, self.layers):
+            residual = h
+            x = self._rms(h, in_w, in_eps)
+            q = linear(x, qw, qb).view(b, 1, -1, hd).transpose(1, 2)
+            k = linear(x, kw, kb).view(b, 1, -1, hd).transpose(1, 2)
+            v = linear(x, vw, vb).view(b, 1, -1, hd).transpose(1, 2)
+            q = (q * cos) + (_rotate_half(q) * sin)
+            k = (k * cos) + (_rotate_half(k) * sin)
+            k, v = cache.update(k, v)
+            out, _ = _decode_attention(None, q, k, v, mask, scaling=scaling)
+            h = residual + linear(out.reshape(b, 1, -1).contiguous(), ow)
+            residual = h
+            x = self._rms(h, post_w, post_eps)
+            h = residual + linear(act(linear(x, gw)) * linear(x, uw), dw)
+        h = self._rms(h, *self.norm)
+        return linear(h[:, -1], self.head)
+
+
+def _rotate_half(x: Any) -> Any:
+    import torch
+
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def lean_step(model: Any) -> _LeanStep | None:
+    """A :class:`_LeanStep` for ``model`` when it is a stock Qwen2.5-VL in eval mode whose
+    attention this module handles (sdpa / eager), else None."""
+    try:
+        from torch import nn
+        from transformers.activations import SiLUActivation
+        from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as q
+    except ImportError:  # pragma: no cover - an older or newer transformers
+        return None
+    lm = getattr(getattr(model, "model", None), "language_model", None)
+    if type(lm) is not q.Qwen2_5_VLTextModel or model.training:
+        return None
+    # A forward replaced on the instance (a wrapper, an instrumented model) must be called.
+    if any("forward" in vars(m) for m in (model, model.model, lm)):
+        return None
+    cfg = lm.config
+    if set(cfg.layer_types) != {"full_attention"} or \
+            cfg.rope_parameters.get("rope_type", "default") != "default" or \
+            cfg._attn_implementation not in (None, "sdpa", "eager") or \
+            type(model.lm_head) is not nn.Linear or model.lm_head.bias is not None or \
+            type(lm.rotary_emb) is not q.Qwen2_5_VLRotaryEmbedding:
+        return None
+    for layer in lm.layers:
+        a, m = layer.self_attn, layer.mlp
+        if type(layer) is not q.Qwen2_5_VLDecoderLayer or type(a) is not q.Qwen2_5_VLAttention or \
+                type(m) is not q.Qwen2MLP or \
+                any(type(x) is not nn.Linear for x in (a.q_proj, a.k_proj, a.v_proj, a.o_proj,
+                                                       m.gate_proj, m.up_proj, m.down_proj)) or \
+                a.o_proj.bias is not None or m.gate_proj.bias is not None or \
+                m.up_proj.bias is not None or m.down_proj.bias is not None or \
+                type(m.act_fn) not in (nn.SiLU, SiLUActivation) or "forward" in vars(m.act_fn):
+            return None
+    for norm in [lm.norm] + [n for L in lm.layers
+                             for n in (L.input_layernorm, L.post_attention_layernorm)]:
+        if type(norm) is not q.Qwen2_5_VLRMSNorm or "forward" in vars(norm):
+            return None
+    # A hook anywhere (adapters, offloading, output capture by a caller) would be skipped here.
+    from torch.nn.modules import module as torch_module
+
+    if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
+        return None
+    for mod in model.modules():
+        if mod._forward_hooks or mod._forward_pre_hooks:
+            return None
+    return _LeanStep(model)
+
+
 def initial_positions(model: Any, ids: Any, attn: Any, vision: dict[str, Any]) -> Any:
     """``[3, B, L]`` positions of a left-padded prompt batch, as the model itself computes them."""
     if vision.get("image_grid_thw") is not None and hasattr(model, "model") \
@@ -162,13 +297,15 @@ def decode_batch(model: Any, ids: Any, attn: Any, vision: dict[str, Any], *, max
                  processors: Sequence[Any] = (),
                  on_done: Callable[[int, Row], None] | None = None,
                  code_temperature: float | None = None,
-                 opens_code: Callable[[list[int]], bool] | None = None) -> list[Row]:
+                 opens_code: Callable[[list[int]], bool] | None = None,
+                 lean: bool = True) -> list[Row]:
     """Generate for every row of a left-padded batch until it stops; see the module docstring.
 
     ``stops(tokens)`` says whether a row's tokens so far end its turn (besides an eos token);
     ``on_done(i, row)`` is called the moment row ``i`` stops (the others keep decoding), or at
     the end for rows cut off by ``max_new_tokens``; ``opens_code(tokens)`` whether a row's last
-    token completed a ``<code>`` tag (needed when ``code_temperature`` is set).
+    token completed a ``<code>`` tag (needed when ``code_temperature`` is set). ``lean=False``
+    runs every decode step through ``model(...)`` (the reference :class:`_LeanStep` must match).
     """
     if code_temperature is not None and opens_code is None:
         raise ValueError("code_temperature needs opens_code")
@@ -185,12 +322,14 @@ def decode_batch(model: Any, ids: Any, attn: Any, vision: dict[str, Any], *, max
     positions = initial_positions(model, ids, attn, vision)
     nxt = positions[:, :, -1] + 1  # [3, B]: text tokens advance every axis by one
     context = ids  # kept only for logits processors, which see every row's ids so far
+    step = lean_step(model) if lean else None
     with _use_decode_attention(model):
         out = model(input_ids=ids, attention_mask=attn, position_ids=positions,
                     past_key_values=cache, use_cache=True, logits_to_keep=1,
                     **{k: v for k, v in vision.items() if k != "mm_token_type_ids"})
+        last = out.logits[:, -1]
         for _ in range(max_new_tokens):
-            logits = out.logits[:, -1].float()
+            logits = last.float()
             scores = logits.clone()
             if len(suppress_t):
                 scores[:, suppress_t] = float("-inf")
@@ -224,8 +363,12 @@ def decode_batch(model: Any, ids: Any, attn: Any, vision: dict[str, Any], *, max
             if processors:
                 context = torch.cat([context, tok[:, None]], dim=1)
             attn = torch.cat([attn, attn.new_ones((attn.shape[0], 1))], dim=1)
-            out = model(input_ids=tok[:, None], attention_mask=attn,
-                        position_ids=nxt[:, :, None], past_key_values=cache, use_cache=True)
+            if step is not None:
+                last = step(tok, nxt[:, :, None], attn[:, None, None, :].bool(), cache.layers)
+            else:
+                last = model(input_ids=tok[:, None], attention_mask=attn,
+                             position_ids=nxt[:, :, None], past_key_values=cache,
+                             use_cache=True).logits[:, -1]
             nxt = nxt + 1
     if on_done is not None:
         for i, row in enumerate(rows):

@@ -51,6 +51,39 @@ def mm_token_type_ids(input_ids: Any, config: Any) -> Any:
     return types
 
 
+_CHECKED: dict[tuple, tuple] = {}
+
+
+def _remember_processor_kwarg_checks() -> None:
+    """Make transformers' processors check their keyword arguments once per distinct set.
+
+    A processor call validates its merged keyword arguments against a ``TypedDict`` it builds
+    anew on every call, which defeats ``huggingface_hub``'s cache of the strict dataclass made
+    from it: each call built dataclasses again, ~6 ms, two thirds of encoding a short turn. The
+    same field types (same objects) with the same plain values are valid again; anything else
+    (and the first call of each) is checked as before, and an invalid set still raises."""
+    from transformers import processing_utils
+
+    check = processing_utils.validate_typed_dict
+    if getattr(check, "remembers", False):
+        return
+    plain = (int, float, str, bool, type(None))
+
+    def validate(schema: Any, data: dict) -> None:
+        fields = getattr(schema, "__annotations__", None)
+        if fields is None or not all(type(v) in plain for v in data.values()):
+            return check(schema, data)
+        key = (tuple((k, id(v)) for k, v in fields.items()),
+               tuple(sorted((k, type(v).__name__, v) for k, v in data.items())))
+        if key not in _CHECKED:
+            check(schema, data)
+            _CHECKED[key] = tuple(fields.values())  # keeps the ids in the key from being reused
+        return None
+
+    validate.remembers = True  # type: ignore[attr-defined]
+    processing_utils.validate_typed_dict = validate
+
+
 @dataclass
 class TokenContext:
     """One episode's context, token for token."""
@@ -93,6 +126,7 @@ class ChatTokens:
                  keep_pixels: bool = True, image_factor: int = 28) -> None:
         self.processor = processor
         self.tokenizer = processor.tokenizer
+        _remember_processor_kwarg_checks()
         self.min_pixels = image_min_pixels
         self.max_pixels = image_max_pixels
         self.factor = image_factor

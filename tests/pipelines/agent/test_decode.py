@@ -106,3 +106,79 @@ def test_a_seeded_sampled_batch_repeats(policy):
         policy.generate(handles, Sampling(24, 1.0, 0.9))
         runs.append([(h.ids[h.prompt_len:], h.logprobs) for h in handles])
     assert runs[0] == runs[1]
+
+
+def _batch(policy, handles):
+    longest = max(len(h.ids) for h in handles)
+    ids = torch.full((len(handles), longest), policy.pad_id)
+    attn = torch.zeros((len(handles), longest), dtype=torch.long)
+    for i, h in enumerate(handles):
+        ids[i, longest - len(h.ids):] = torch.tensor(h.ids)
+        attn[i, longest - len(h.ids):] = 1
+    vision = {}
+    if any(h.pixel_values for h in handles):
+        vision = {"pixel_values": torch.cat([p for h in handles for p in h.pixel_values]),
+                  "image_grid_thw": torch.cat([g for h in handles for g in h.grids]),
+                  "mm_token_type_ids": mm_token_type_ids(ids, policy.model.config)}
+    return ids, attn, vision
+
+
+@pytest.mark.parametrize("temperature,top_p", [(0.0, 1.0), (1.0, 0.9), (0.7, 1.0)])
+@pytest.mark.parametrize("with_images", [False, True])
+def test_the_lean_decode_step_gives_the_reference_tokens_and_logprobs(policy, with_images,
+                                                                     temperature, top_p):
+    """The fast decode step (no transformers forward per token) is bit-identical to the model's
+    own forward: same tokens, same log-probs, greedy and seeded sampling, rows of different
+    lengths (left padding) leaving the batch at different steps, with and without images."""
+    from pipelines.agent.policies.decode import decode_batch, lean_step
+
+    assert lean_step(policy.model) is not None  # the stock tiny model takes the fast path
+    handles = _handles(policy, with_images)
+    ids, attn, vision = _batch(policy, handles)
+    assert len({len(h.ids) for h in handles}) > 1
+
+    def run(lean: bool, eos: list[int]):
+        torch.manual_seed(11)
+        with torch.no_grad():
+            rows = decode_batch(policy.model, ids, attn, vision, max_new_tokens=48,
+                                temperature=temperature, top_p=top_p,
+                                stops=policy.tokens.ends_turn, eos_ids=eos, lean=lean,
+                                code_temperature=0.3 if temperature else None,
+                                opens_code=policy.tokens.opens_code)
+        return [(r.tokens, r.logprobs, r.temperatures) for r in rows]
+
+    # A stop token that row 0 samples early and the other rows later or never, so that rows
+    # leave the batch (cache and all) at different steps.
+    free = [toks for toks, _, _ in run(True, sorted(policy.eos_ids))]
+    stop = next(t for t in free[0][2:] if any(free[0].index(t) < (toks + [t]).index(t)
+                                              for toks in free[1:]))
+    eos = sorted(policy.eos_ids | {stop})
+    runs = [run(False, eos), run(True, eos)]
+    assert runs[0] == runs[1]
+    assert len({len(toks) for toks, _, _ in runs[0]}) > 1  # the rows did stop at different steps
+
+
+def test_a_model_with_a_forward_hook_takes_the_reference_path(policy):
+    from pipelines.agent.policies.decode import lean_step
+
+    handle = policy.model.model.language_model.layers[0].register_forward_hook(lambda *a: None)
+    try:
+        assert lean_step(policy.model) is None
+    finally:
+        handle.remove()
+    assert lean_step(policy.model) is not None
+
+
+def test_processor_kwarg_checks_are_remembered_and_bad_ones_still_raise(policy):
+    from transformers import processing_utils
+
+    from pipelines.agent.policies import tokens
+
+    assert getattr(processing_utils.validate_typed_dict, "remembers", False)
+    img = Image.new("RGB", (56, 56))
+    policy.tokens.encode("<|vision_start|><|image_pad|><|vision_end|>hi", [img])
+    seen = len(tokens._CHECKED)
+    policy.tokens.encode("<|vision_start|><|image_pad|><|vision_end|>hi again", [img])
+    assert len(tokens._CHECKED) == seen  # the same arguments: nothing new to check
+    with pytest.raises(Exception, match="min_pixels"):
+        policy.processor(text=["x"], images=[img], min_pixels="many", return_tensors="pt")
