@@ -85,32 +85,28 @@ def _name_text_values(params: list[Any]) -> None:
             param.metavar = param.name.upper()
 
 
-class PyVisionGroup(TyperGroup):
+class _OneLineErrors:
+    """Mixed into a Typer group or command: parse errors and UserError become one line, exit 2."""
+
+    params: list[click.Parameter]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _name_text_values(self.params)
+
+    def make_context(self, *args: Any, **kwargs: Any) -> click.Context:
+        return _parse_in_one_line(super().make_context, *args, **kwargs)  # type: ignore[misc]
+
+    def invoke(self, ctx: click.Context) -> Any:
+        return _reraise_user_errors(super().invoke, ctx)  # type: ignore[misc]
+
+
+class PyVisionGroup(_OneLineErrors, TyperGroup):
     """A Typer group whose commands report UserError as one line with exit code 2."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        _name_text_values(self.params)
 
-    def make_context(self, *args: Any, **kwargs: Any) -> click.Context:
-        return _parse_in_one_line(super().make_context, *args, **kwargs)
-
-    def invoke(self, ctx: click.Context) -> Any:
-        return _reraise_user_errors(super().invoke, ctx)
-
-
-class PyVisionCommand(typer.core.TyperCommand):
+class PyVisionCommand(_OneLineErrors, typer.core.TyperCommand):
     """A single Typer command with the same UserError handling."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        _name_text_values(self.params)
-
-    def make_context(self, *args: Any, **kwargs: Any) -> click.Context:
-        return _parse_in_one_line(super().make_context, *args, **kwargs)
-
-    def invoke(self, ctx: click.Context) -> Any:
-        return _reraise_user_errors(super().invoke, ctx)
 
 
 # Plain help (no Rich markup: a "[default: ...]" in a help text stays text), every default shown.

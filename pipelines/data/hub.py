@@ -19,7 +19,7 @@ import os
 import re
 import tarfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -208,15 +208,23 @@ _ROLE = {"user": "user", "human": "user", "observation": "user", "assistant": "a
          "gpt": "assistant"}
 
 
-def _convert_sft(rows, media: _MediaIndex, out: Path, report: ReadReport,
-                 bad: Callable[[str, str, str], None]) -> list[Conversation]:
-    convs = []
+def _objects(rows, report: ReadReport,
+             bad: Callable[[str, str, str], None]) -> Iterator[tuple[str, int, str, dict]]:
+    """``(file, line, "file:line", row)`` for each row that is a JSON object; the others are
+    counted as bad."""
     for file, line, row in rows:
         where = f"{file}:{line}"
         report.read += 1
         if isinstance(row, Exception) or not isinstance(row, dict):
             bad("malformed_json", where, "row is not a JSON object")
             continue
+        yield file, line, where, row
+
+
+def _convert_sft(rows, media: _MediaIndex, out: Path, report: ReadReport,
+                 bad: Callable[[str, str, str], None]) -> list[Conversation]:
+    convs = []
+    for file, line, where, row in _objects(rows, report, bad):
         turns = row.get("conversations") or row.get("messages") or []
         messages = []
         for t in turns:
@@ -278,12 +286,7 @@ def _convert_rl(rows, media: _MediaIndex, out: Path, report: ReadReport,
                 bad: Callable[[str, str, str], None], default_source: str) -> list[Task]:
     tasks = []
     seen: set[str] = set()
-    for file, line, row in rows:
-        where = f"{file}:{line}"
-        report.read += 1
-        if isinstance(row, Exception) or not isinstance(row, dict):
-            bad("malformed_json", where, "row is not a JSON object")
-            continue
+    for file, line, where, row in _objects(rows, report, bad):
         question, answer = row.get("question"), row.get("answer")
         if not isinstance(question, str) or not question.strip():
             bad("invalid_row", where, "empty or missing question")
