@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 from typing import Self
 
@@ -111,3 +117,30 @@ def scripted_openai(replies: list[tuple[int, dict]]) -> FakeOpenAI:
     """A sequential endpoint that answers with ``replies`` in order, then with 500."""
     queue = list(replies)
     return FakeOpenAI(lambda body: queue.pop(0) if queue else (500, {}))
+
+
+def interrupt_after_requests(args: list[str], server: FakeOpenAI, n_requests: int,
+                             hang: threading.Event, cwd: Path, env: dict[str, str],
+                             settle_s: float = 0.0) -> tuple[int, str, float]:
+    """Run ``pyvision ARGS`` against ``server``; once it has sent ``n_requests`` (the last of them
+    hangs on ``hang``), send one SIGINT. Returns (stderr, seconds from SIGINT to exit)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), **env}
+    proc = subprocess.Popen([sys.executable, "-m", "pyvision_cli.main", *args], env=env, cwd=cwd,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(server.requests) < n_requests and time.monotonic() < deadline \
+                and proc.poll() is None:
+            time.sleep(0.1)
+        assert len(server.requests) == n_requests, proc.communicate(timeout=5)
+        time.sleep(settle_s)
+        proc.send_signal(signal.SIGINT)
+        start = time.monotonic()
+        # Generous: interpreter shutdown on a loaded 2-core machine has taken over 40 s.
+        _out, err = proc.communicate(timeout=100)
+        return proc.returncode, err, time.monotonic() - start
+    finally:
+        hang.set()
+        if proc.poll() is None:
+            proc.kill()
+        server.close()

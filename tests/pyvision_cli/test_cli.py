@@ -6,7 +6,6 @@ import importlib
 import json
 import subprocess
 import sys
-import time
 
 import pytest
 import typer
@@ -24,13 +23,11 @@ def test_help_lists_every_command_without_importing_them():
     code = ("import sys; from pyvision_cli.main import main\n"
             "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
             f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))")
-    start = time.monotonic()
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    elapsed = time.monotonic() - start
+    # No heavy import is what keeps --help fast (~0.3 s); a wall-clock bound flakes on a busy box.
     assert out.stdout.strip().splitlines()[-1] == "[]"
     for name in COMMANDS:
         assert name in out.stdout
-    assert elapsed < 5  # generous for a loaded CI box; typically ~0.3 s
 
 
 @pytest.mark.parametrize("name", sorted(COMMANDS))
@@ -138,19 +135,16 @@ def test_help_shows_defaults_and_choices_not_types():
 
 
 def test_argument_errors_come_before_heavy_imports():
-    code = ("import sys, time\nfrom pyvision_cli.main import main\nstart = time.monotonic()\n"
+    code = ("import sys\nfrom pyvision_cli.main import main\n"
             "for argv in (['model', 'tiny', 'x', '--size', 'huge'], ['eval', '--benchmarks', 'v'],"
             " ['rl', '--engine', 'ray'], ['run', 'r.yaml', '--from', 'nope'],"
             " ['eval', '--model', 'm', '--run-id', '../x']):\n"
             "    try:\n        main(argv)\n    except SystemExit as e:\n"
             "        assert e.code == 2, (argv, e.code)\n"
-            "print(round(time.monotonic() - start, 2),"
-            f" sorted(m for m in {HEAVY!r} if m in sys.modules))")
+            f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    seconds, heavy = out.stdout.strip().split(" ", 1)
-    assert heavy == "[]", out.stderr
+    assert out.stdout.strip() == "[]", out.stderr  # no heavy import: fast, without a timed bound
     assert out.stderr.count("error: ") == 5, out.stderr
-    assert float(seconds) < 5  # five commands; about 0.1 s on an idle machine
 
 
 def test_usage_errors_are_one_line():
