@@ -156,7 +156,7 @@ class _LeanStep:
 
     The arithmetic is the model's own, op for op and in the same order (the same weights through
     the same ``linear`` / RMSNorm / rotary / attention calls), so the logits are bit-identical to
-    ``model(...)``'s and the sampled tokens and log-probs do not change; ``tests/test_decode.py``
+    ``model(...)``'s and the sampled tokens and log-probs do not change; ``tests/pipelines/agent/test_decode.py``
     checks it. :func:`lean_step` builds one only for a model whose modules are exactly the stock
     Qwen2.5-VL ones (no adapters, hooks or kernels replacing a forward); anything else takes the
     ``model(...)`` path.
