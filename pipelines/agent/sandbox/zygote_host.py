@@ -153,7 +153,7 @@ class Zygote:
             if self._alive() and self.control is not None:
                 try:
                     self.control.send(json.dumps({"op": "kill", "id": sid}).encode())
-                except OSError:
+                except OSError:  # the zygote just died: its workers died with it, nothing to kill
                     pass
 
     def wait_exit(self, sid: str, timeout: float) -> dict | None:
