@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Self
 
@@ -119,14 +121,30 @@ def scripted_openai(replies: list[tuple[int, dict]]) -> FakeOpenAI:
     return FakeOpenAI(lambda body: queue.pop(0) if queue else (500, {}))
 
 
+@contextlib.contextmanager
+def _sigint_as_from_a_shell() -> Iterator[None]:
+    """While starting a child: SIGINT handled (a handler resets to the default across exec) and
+    unblocked, as a shell starts a command. An ignored SIGINT or a blocked mask survives exec, and
+    Python installs no KeyboardInterrupt handler for an ignored SIGINT; state a library left in the
+    test process must not decide what a user's Ctrl-C does."""
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        signal.signal(signal.SIGINT, handler)
+
+
 def interrupt_after_requests(args: list[str], server: FakeOpenAI, n_requests: int,
                              hang: threading.Event, cwd: Path, env: dict[str, str],
                              settle_s: float = 0.0) -> tuple[int, str, float]:
     """Run ``pyvision ARGS`` against ``server``; once it has sent ``n_requests`` (the last of them
     hangs on ``hang``), send one SIGINT. Returns (stderr, seconds from SIGINT to exit)."""
     env = {**os.environ, "PYTHONPATH": str(REPO), **env}
-    proc = subprocess.Popen([sys.executable, "-m", "pyvision_cli.main", *args], env=env, cwd=cwd,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with _sigint_as_from_a_shell():
+        proc = subprocess.Popen([sys.executable, "-m", "pyvision_cli.main", *args], env=env,
+                                cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
         while len(server.requests) < n_requests and time.monotonic() < deadline \
