@@ -22,6 +22,9 @@ def merge(
     base: Annotated[str | None, typer.Option(help="Base model path or hub id (engine lora).")] = None,
     checkpoint: Annotated[Path | None, typer.Option(help="verl checkpoint: global_step_N/actor, "
                                                             "global_step_N, or their parent (engine verl).")] = None,
+    template: Annotated[str | None, typer.Option(help="LLaMA-Factory chat template of the SFT run "
+                                                 "(engine lora; default: the adapter's run's "
+                                                 "sft.template, or qwen2_vl for a Qwen2/2.5-VL base).")] = None,
     python: Annotated[str, typer.Option(help="Interpreter that has llamafactory / verl.")] = "python",
     force: Annotated[bool, typer.Option("--force", help="Replace an existing --out folder.")] = False,
     json_out: JsonOpt = False,
@@ -38,7 +41,7 @@ def merge(
         if lora is None or base is None:
             raise UserError("--engine lora needs --lora ADAPTER and --base MODEL",
                             hint="e.g. pyvision merge --lora runs/x/sft/output --base MODEL --out DIR")
-        info = merge_lora(lora, base, out, python=python, force=force)
+        info = merge_lora(lora, base, out, python=python, template=template, force=force)
     else:
         if checkpoint is None:
             raise UserError("--engine verl needs --checkpoint DIR",

@@ -8,6 +8,8 @@ with the processor saved beside it, and is merged with peft in this process inst
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +26,44 @@ from pipelines.errors import UserError
 from pipelines.fsutil import atomic_dir, atomic_write_text
 from pipelines.sft import llamafactory as lf
 
+# Model types whose LLaMA-Factory chat template is unambiguous. Qwen3-VL is not among them: its
+# Instruct and Thinking checkpoints share a model type and need different templates.
+_TEMPLATE_OF_MODEL_TYPE = {"qwen2_vl": "qwen2_vl", "qwen2_5_vl": "qwen2_vl"}
+
+
+def adapter_template(adapter: Path, base: str | Path) -> str:
+    """The chat template an SFT adapter was trained with: the one in its run's rendered training
+    YAML (``<run>/sft/llamafactory_train.yaml``, or LLaMA-Factory's web UI ``training_args.yaml``
+    in the adapter folder), else the one a Qwen2-VL / Qwen2.5-VL base implies. A wrong template
+    merges without error and gives a model that was trained on one prompt format and is served
+    another, so anything else is a question for the user."""
+    for path in (adapter.parent / lf.TRAIN_YAML, adapter / "training_args.yaml"):
+        if path.is_file():
+            try:
+                args = yaml.safe_load(path.read_text()) or {}
+            except yaml.YAMLError as exc:
+                raise UserError(f"{path} is not valid YAML ({exc.__class__.__name__})",
+                                hint="repair or remove it, or pass --template") from None
+            if isinstance(args, dict) and args.get("template"):
+                return str(args["template"])
+    config = Path(str(base)) / "config.json"
+    model_type = json.loads(config.read_text()).get("model_type") if config.is_file() else None
+    if model_type is None and re.search(r"Qwen2(\.5)?-VL", str(base)):
+        model_type = "qwen2_5_vl"
+    if model_type in _TEMPLATE_OF_MODEL_TYPE:
+        return _TEMPLATE_OF_MODEL_TYPE[model_type]
+    raise UserError(f"cannot tell which chat template {adapter} was trained with (base {base}, "
+                    f"model type {model_type or 'unknown'})",
+                    hint="pass --template, as in the SFT recipe's sft.template: qwen2_vl for "
+                         "Qwen2-VL / Qwen2.5-VL, qwen3_vl_nothink for Qwen3-VL Instruct, qwen3_vl "
+                         "for Qwen3-VL Thinking")
+
 
 def merge_lora(adapter: str | Path, base: str | Path, out: str | Path, *, python: str = "python",
-               template: str = "qwen2_vl", force: bool = False) -> dict[str, Any]:
-    """Merge a LoRA adapter into its base model with LLaMA-Factory's export; verify; return info."""
+               template: str | None = None, force: bool = False) -> dict[str, Any]:
+    """Merge a LoRA adapter into its base model with LLaMA-Factory's export; verify; return info.
+    ``template`` is the LLaMA-Factory chat template of the SFT run (:func:`adapter_template`
+    when not given)."""
     adapter, out = Path(adapter), Path(out)
     if not (adapter / "adapter_config.json").is_file():
         raise UserError(f"{adapter} is not a LoRA adapter (no adapter_config.json)",
@@ -43,6 +79,7 @@ def merge_lora(adapter: str | Path, base: str | Path, out: str | Path, *, python
             flatten_into(tmp, "model")
             info["path"] = str(out)
         return info
+    template = template or adapter_template(adapter, base)
     with atomic_dir(out, overwrite=force) as tmp:
         export = {
             "model_name_or_path": str(base),

@@ -7,13 +7,15 @@ import shutil
 
 import pytest
 import torch
+import yaml
 
 from pipelines.config.recipe import load_recipe
 from pipelines.core.modeldir import verify_model_dir
 from pipelines.errors import SubprocessFailed, UserError
 from pipelines.merge import merge_verl
 from pipelines.rundir import stage_dir
-from pipelines.sft.lora import merge_lora
+from pipelines.sft import lora as lora_mod
+from pipelines.sft.lora import adapter_template, merge_lora
 from pipelines.sft.stage import run_sft
 from tests.helpers import make_sharegpt
 
@@ -205,3 +207,50 @@ def test_merge_stage_folds_a_local_lora_rl_adapter_into_its_base(tiny_model_dir,
             plain = peft_model(**enc).logits
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert (got - plain).abs().max() > 1e-2  # the adapter is in the merged model
+
+
+def _adapter(folder):
+    folder.mkdir(parents=True)
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4}))
+    return folder
+
+
+def test_merge_lora_takes_the_template_its_sft_run_trained_with(tiny_model_dir, tmp_path,
+                                                               monkeypatch):
+    """The export gets the adapter's own run's template, not a Qwen2.5-VL default: a Qwen3-VL
+    adapter exported with qwen2_vl would merge cleanly and be served the wrong prompt format."""
+    adapter = _adapter(tmp_path / "run" / "sft" / "output")
+    (adapter.parent / "llamafactory_train.yaml").write_text(
+        "### model\nmodel_name_or_path: Qwen/Qwen3-VL-8B-Instruct\ntemplate: qwen3_vl_nothink\n")
+    exported = []
+
+    def fake_export(command, cfg_path, **kwargs):
+        exported.append(yaml.safe_load(cfg_path.read_text()))
+        raise UserError("export stopped by the test")
+
+    monkeypatch.setattr(lora_mod.lf, "run_llamafactory", fake_export)
+    with pytest.raises(UserError, match="stopped by the test"):
+        merge_lora(adapter, tiny_model_dir, tmp_path / "merged")
+    assert exported[-1]["template"] == "qwen3_vl_nothink"
+    with pytest.raises(UserError, match="stopped by the test"):
+        merge_lora(adapter, tiny_model_dir, tmp_path / "merged", template="qwen2_vl")
+    assert exported[-1]["template"] == "qwen2_vl"  # --template wins
+    assert not (tmp_path / "merged").exists()  # nothing half-written
+
+
+def test_adapter_template_falls_back_to_the_base_and_asks_when_it_cannot_tell(tiny_model_dir,
+                                                                             tmp_path):
+    adapter = _adapter(tmp_path / "loose-adapter")
+    assert adapter_template(adapter, tiny_model_dir) == "qwen2_vl"  # a Qwen2.5-VL base
+    assert adapter_template(adapter, "Qwen/Qwen2.5-VL-7B-Instruct") == "qwen2_vl"
+    qwen3 = tmp_path / "qwen3-base"
+    qwen3.mkdir()
+    (qwen3 / "config.json").write_text(json.dumps({"model_type": "qwen3_vl"}))
+    with pytest.raises(UserError, match="cannot tell which chat template") as info:
+        adapter_template(adapter, qwen3)
+    assert "--template" in info.value.hint and "qwen3_vl_nothink" in info.value.hint
+    with pytest.raises(UserError, match="cannot tell"):
+        adapter_template(adapter, "Qwen/Qwen3-VL-8B-Instruct")
+    (adapter / "training_args.yaml").write_text("template: [unclosed\n")
+    with pytest.raises(UserError, match="training_args.yaml is not valid YAML"):
+        adapter_template(adapter, qwen3)
