@@ -373,10 +373,19 @@ def _preload() -> dict:
     return mods
 
 
+# Matplotlib interpolations whose picture a PIL filter of the same kind reproduces (used when a
+# figure that is one image is composed without matplotlib; see ``Runtime._single_image``).
+PIL_FILTERS = {"nearest": "NEAREST", "none": "NEAREST", "bilinear": "BILINEAR",
+               "bicubic": "BICUBIC", "lanczos": "LANCZOS", "hanning": "HAMMING",
+               "hamming": "HAMMING"}
+
+
 class Runtime:
     """Persistent globals, image capture and bounded output for one sandbox."""
 
     MAX_ASPECT = 200
+    # Figures that are one image in a bare Axes are composed with PIL (``_single_image``).
+    compose_single_images = True
 
     def __init__(self, preloaded: dict, limits: dict, output=None) -> None:
         self.limits = limits
@@ -475,6 +484,12 @@ class Runtime:
                 return
             dpi = fig.dpi * self._fit(w, h, "figure")
             size = self._context_size(w * dpi / fig.dpi, h * dpi / fig.dpi)
+            if self.compose_single_images:
+                canvas_size = (int(w * dpi / fig.dpi), int(h * dpi / fig.dpi))
+                composed = self._single_image(fig, canvas_size, size or canvas_size)
+                if composed is not None:
+                    self._keep(composed)
+                    return
             if size is not None:
                 # Drawn at about the size the model will see (never below it), not at full size
                 # and then shrunk: a 640x480 figure seen at 112x84 costs a fifth of the drawing.
@@ -492,6 +507,126 @@ class Runtime:
             self._keep(self._to_context(rgba, size))
         finally:
             self.plt.close(fig)
+
+    def _single_image(self, fig, canvas_size: tuple[int, int], size: tuple[int, int]):
+        """The picture of ``fig`` at ``size`` composed directly with PIL, or None when the figure
+        is anything but one image filling one bare Axes (axis off, no title, no other artist).
+
+        That is what ``plt.imshow(crop); plt.axis("off"); plt.show()`` draws: the figure's
+        background with the image resampled into the Axes box. Matplotlib takes most of the
+        time of such a call to draw it (Axes, masked arrays, its own resampler at the figure's
+        size, then a second resize to the context size); here the image is resampled once,
+        straight to where it lands at the context size. The result has the figure's size and
+        layout, and the image's placement and interpolation (PIL's filter of the same kind);
+        anything this does not reproduce goes through matplotlib (``add_figure``).
+        """
+        try:
+            return self._compose(fig, canvas_size, size)
+        except Exception:  # noqa: BLE001 - an unforeseen figure is drawn by matplotlib instead
+            return None
+
+    def _compose(self, fig, canvas_size: tuple[int, int], size: tuple[int, int]):
+        import numpy as np
+
+        from matplotlib.layout_engine import PlaceHolderLayoutEngine
+
+        engine = fig.get_layout_engine()  # one that runs at draw time moves the Axes
+        if len(fig.axes) != 1 or not (engine is None or isinstance(engine, PlaceHolderLayoutEngine)):
+            return None
+        ax = fig.axes[0]
+        if fig.get_children() != [fig.patch, ax] or len(ax.images) != 1:
+            return None
+        im = ax.images[0]
+        title_free = all(not t.get_visible() or not t.get_text()
+                         for t in (ax.title, ax._left_title, ax._right_title))
+        bare = (not ax.axison and ax.get_visible() and ax.name == "rectilinear"
+                and ax.get_axes_locator() is None and not ax.child_axes and ax.legend_ is None
+                and ax.get_xscale() == ax.get_yscale() == "linear" and title_free
+                and all(a is im or a in ax.spines.values() or a in ax._axis_map.values()
+                        or a in (ax.title, ax._left_title, ax._right_title, ax.patch)
+                        for a in ax.get_children()))
+        patch = fig.patch
+        if not bare or not patch.get_visible() or patch.get_linewidth() != 0 \
+                or fig.get_agg_filter() is not None or ax.get_agg_filter() is not None:
+            return None
+        r, g, b, a = patch.get_facecolor()
+        if a != 1:
+            return None
+        if not im.get_visible() or im.get_alpha() not in (None, 1) or im.get_clip_path() is not None \
+                or im.get_agg_filter() is not None or im.get_transform() is not ax.transData \
+                or im.get_path_effects():
+            return None
+        # The image must fill the Axes box exactly: its extent is the view (same orientation).
+        ax.apply_aspect()
+        left, right, bottom, top = im.get_extent()
+        if tuple(ax.get_xlim()) != (left, right) or tuple(ax.get_ylim()) != (bottom, top):
+            return None
+        if im.clipbox is not None and not np.allclose(im.clipbox.extents, ax.bbox.extents):
+            return None
+        pixels = self._rgb_pixels(im)
+        if pixels is None:
+            return None
+        ih, iw = pixels.shape[:2]
+        x0, y0, x1, y1 = ax.get_position().extents  # figure fraction, after the aspect
+        # Matplotlib's choice for "auto"/"antialiased", at the size it would draw the figure.
+        interp = im.get_interpolation()
+        if interp in ("auto", "antialiased"):
+            dx, dy = (x1 - x0) * canvas_size[0], (y1 - y0) * canvas_size[1]
+            near_x = dx > 3 * iw or np.isclose(dx, iw) or np.isclose(dx, 2 * iw)
+            near_y = dy > 3 * ih or np.isclose(dy, ih) or np.isclose(dy, 2 * ih)
+            interp = "nearest" if near_x and near_y else "hanning"
+        if interp not in PIL_FILTERS:
+            return None
+        W, H = size
+        bx0, bx1 = int(np.floor(x0 * W + 0.5)), int(np.floor(x1 * W + 0.5))
+        by0, by1 = int(np.floor((1 - y1) * H + 0.5)), int(np.floor((1 - y0) * H + 0.5))
+        if bx1 <= bx0 or by1 <= by0:
+            return None
+        Image = self.Image
+        src = Image.fromarray(pixels)
+        box = (bx1 - bx0, by1 - by0)
+        if box != src.size:
+            src = src.resize(box, getattr(Image.Resampling, PIL_FILTERS[interp]))
+        if box == (W, H):
+            return src
+        out = Image.new("RGB", (W, H), (round(r * 255), round(g * 255), round(b * 255)))
+        out.paste(src, (bx0, by0))
+        return out
+
+    @staticmethod
+    def _rgb_pixels(im):
+        """An image artist's pixels as an (H, W, 3) uint8 array, top row first, as matplotlib
+        would colour them (colormap and norm for scalar data); None for anything with
+        transparency or invalid values (those go through matplotlib)."""
+        import numpy as np
+
+        A = im.get_array()
+        if A is None or A.ndim not in (2, 3) or A.size == 0 or np.ma.is_masked(A):
+            return None
+        data = np.ma.getdata(A)
+        if data.ndim == 2:
+            if data.dtype.kind not in "uif":
+                return None
+            rgba = im.to_rgba(data, bytes=True)
+        elif data.shape[2] in (3, 4):
+            if data.dtype == np.uint8:
+                rgba = data
+            elif data.dtype.kind == "f":
+                # In [0, 1] only: matplotlib clips anything else, with a warning in the output.
+                if not (np.isfinite(data).all() and data.min() >= 0 and data.max() <= 1):
+                    return None
+                rgba = (data * 255).astype(np.uint8)  # as matplotlib's to_rgba converts it
+            else:
+                return None
+        else:
+            return None
+        if rgba.shape[2] == 4:
+            if not (rgba[..., 3] == 255).all():
+                return None
+            rgba = rgba[..., :3]
+        if im.origin == "lower":
+            rgba = rgba[::-1]
+        return np.ascontiguousarray(rgba)
 
     def capture_figures(self) -> None:
         for num in self.plt.get_fignums():
