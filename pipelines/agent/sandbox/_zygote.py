@@ -527,7 +527,6 @@ class Runtime:
 
     def _compose(self, fig, canvas_size: tuple[int, int], size: tuple[int, int]):
         import numpy as np
-
         from matplotlib.layout_engine import PlaceHolderLayoutEngine
 
         engine = fig.get_layout_engine()  # one that runs at draw time moves the Axes
