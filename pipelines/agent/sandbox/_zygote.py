@@ -48,6 +48,8 @@ MS_REC, MS_PRIVATE, MS_NOSUID, MS_NODEV, MS_BIND = 0x4000, 0x40000, 0x2, 0x4, 0x
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 4, 24, 38
 SYS_CAPSET = 126  # x86_64
 MAX_FRAME = 256 * 1024 * 1024
+# Frames above this size (media, pixels) are sent and received without intermediate copies.
+BIG_FRAME = 256 * 1024
 
 libc = ctypes.CDLL(None, use_errno=True)
 
@@ -62,7 +64,11 @@ def _check(ret: int, what: str) -> None:
 
 
 def send_frame(sock: socket.socket, payload: bytes) -> None:
-    sock.sendall(struct.pack(">I", len(payload)) + payload)
+    if len(payload) <= BIG_FRAME:
+        sock.sendall(struct.pack(">I", len(payload)) + payload)  # one send
+    else:  # pixels: not copied once more just to prepend four bytes
+        sock.sendall(struct.pack(">I", len(payload)))
+        sock.sendall(payload)
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -90,7 +96,19 @@ class FrameReader:
         self.sock = sock
         self.buf = bytearray()
 
-    def _take(self, n: int) -> bytes:
+    def _take(self, n: int) -> bytes | bytearray:
+        if n - len(self.buf) > BIG_FRAME:  # media: received in place, not grown and sliced
+            out = bytearray(n)
+            got = len(self.buf)
+            out[:got] = self.buf
+            self.buf.clear()
+            view = memoryview(out)
+            while got < n:
+                k = self.sock.recv_into(view[got:])
+                if not k:
+                    raise EOFError("peer closed")
+                got += k
+            return out
         while len(self.buf) < n:
             chunk = self.sock.recv(max(n - len(self.buf), 65536))
             if not chunk:
@@ -100,7 +118,7 @@ class FrameReader:
         del self.buf[:n]
         return out
 
-    def frame(self) -> bytes:
+    def frame(self) -> bytes | bytearray:
         (n,) = struct.unpack(">I", self._take(4))
         if n > MAX_FRAME:
             raise ValueError("frame too large")

@@ -673,3 +673,27 @@ def test_rlimit_by_choice_does_not_say_bubblewrap_is_missing(monkeypatch):
     (message,) = [str(w.message) for w in warned]
     assert "NOT A SECURITY BOUNDARY" in message and "unavailable" not in message
     assert "isolation=rlimit was chosen" in message and "bubblewrap is installed" in message
+
+
+def test_frames_big_and_small_cross_whole_and_in_order():
+    """Pixels and media (frames over ``BIG_FRAME``) are received in place; whatever the reader
+    had read ahead of such a frame belongs to it, and small frames around it are untouched."""
+    import socket
+    import threading
+
+    from pipelines.agent.sandbox._zygote import BIG_FRAME, FrameReader, send_frame
+    from pipelines.agent.sandbox.client import _FrameReader, _send_frame
+
+    payloads = [b"{}", os.urandom(3 * BIG_FRAME + 7), b"x" * 5, os.urandom(BIG_FRAME + 1),
+                os.urandom(BIG_FRAME), b"end"]
+    for send, make_reader, read in (
+            (send_frame, _FrameReader, lambda r: r.frame(1 << 30, time.monotonic() + 10)),
+            (_send_frame, FrameReader, lambda r: r.frame())):
+        a, b = socket.socketpair()
+        with a, b:
+            sender = threading.Thread(
+                target=lambda send=send, sock=a: [send(sock, p) for p in payloads])
+            sender.start()
+            reader = make_reader(b)
+            assert [bytes(read(reader)) for _ in payloads] == payloads
+            sender.join()
