@@ -331,6 +331,14 @@ def test_a_full_bleed_image_at_context_size_arrives_pixel_for_pixel(context_sbx)
         assert np.array_equal(np.asarray(frame), expected)
 
 
+def test_the_zygotes_warm_up_leaves_nothing_a_sandbox_can_see(sbx):
+    """The zygote draws a figure before forking (so that no sandbox pays for matplotlib's first
+    drawing); a sandbox starts as if that never happened."""
+    out = _ok(sbx.run("import gc\nprint(plt.get_fignums(), plt.figure().number, gc.isenabled(),"
+                      " matplotlib.get_backend().lower(), plt.rcParams['figure.dpi'])"))
+    assert out.split() == ["[]", "1", "True", "agg", "100.0"], out
+
+
 def test_extreme_aspect_ratio_is_an_error(sbx):
     result = sbx.run("Image.new('RGB', (4000, 10)).show()")
     assert result.status == "error" and "aspect ratio" in result.stderr
