@@ -142,11 +142,13 @@ def run_benchmark(repeats: int = 30, n_concurrent: int = 64,
         first.run("x = 1")
     zygote_s = time.monotonic() - warm_start
 
-    starts = []
-    for _ in range(repeats):
+    starts, firsts = [], []
+    for i in range(repeats):
         t = time.monotonic()
         s = Sandbox(cfg, images={"image_clue_0": image}, **context)
         starts.append(time.monotonic() - t)
+        if i < max(5, repeats // 3):  # a trajectory's first image: nothing of it warm yet
+            firsts += _timed_show(s, CROP_SHOW, 1)[0]
         s.close()
 
     forked = ForkedWorker()
@@ -202,6 +204,7 @@ def run_benchmark(repeats: int = 30, n_concurrent: int = 64,
         "forked_worker_overhead_ms": floor,
         "overhead_ratio": round(over["median"] / max(floor["median"], 1e-6), 2),
         "crop_show_ms": summary_ms(crop),
+        "crop_show_first_ms": summary_ms(firsts),
         "crop_show_code_ms": summary_ms(crop_code),
         "crop_show_size": crop_size,
         "crop_8k_ms": summary_ms(crop8k),
