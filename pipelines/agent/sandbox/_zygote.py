@@ -396,7 +396,9 @@ def _warm_up(preloaded: dict) -> None:
     backend, the Agg renderer and the font it draws text with, PIL's crop and resize. Then
     freeze what exists (``gc.freeze``): the collector no longer walks the inherited objects in
     each worker, which would copy their pages (time on the first calls, memory per sandbox).
-    Nothing of it is visible to the code: the figure is closed, no setting is changed."""
+    Nothing of it is visible to the code: the figure is closed, no setting is changed. It costs
+    about 0.7 MB PSS per live sandbox (64 sandboxes: 1,319 instead of 1,267 MB); without the
+    drawn text and line it would cost 0.2 MB, but a sandbox's first plot would not be warm."""
     import gc
 
     plt, np, Image = preloaded["plt"], preloaded["np"], preloaded["Image"]
