@@ -35,8 +35,12 @@ def perf_sandbox(
         err.print(f"isolation {result['isolation']}: start {result['start_ms']['median']} ms, "
                   f"x=1 {result['call_overhead_ms']['median']} ms ({result['overhead_ratio']}x "
                   f"a forked worker's {result['forked_worker_overhead_ms']['median']} ms), "
-                  f"crop+show {result['crop_show_ms']['median']} ms, 8K crop "
-                  f"{result['crop_8k_ms']['median']} ms (medians); {n_concurrent} live "
+                  f"crop+show {result['crop_show_ms']['median']} ms (the code alone "
+                  f"{result['crop_show_code_ms']['median']} ms; a new sandbox's first "
+                  f"{result['crop_show_first_ms']['median']} ms), 8K crop "
+                  f"{result['crop_8k_ms']['median']} ms (alone {result['crop_8k_code_ms']['median']}"
+                  f" ms; an 8K sandbox starts in {result['start_8k_ms']['median']} ms) (medians); "
+                  f"{n_concurrent} live "
                   f"sandboxes: {result['concurrent']['peak_rss_mb']} MB RSS, "
                   f"{result['concurrent']['peak_pss_mb']} MB PSS")
 

@@ -4,7 +4,10 @@ sandboxes.
 
 The image measurements run as the agent loop runs them: the sandbox knows the context pixel
 bounds (``agent.image_min_pixels`` / ``image_max_pixels`` of the default agent settings), so shown
-images come back at the size the model sees them.
+images come back at the size the model sees them. Each is timed alternately with the same code
+that does not show its image (``*_code_ms``): what the model's own code costs (the crop, the
+zoom, matplotlib's Axes), so that the difference is what showing costs (capture, resize to the
+context size, transfer to the agent loop).
 """
 
 from __future__ import annotations
@@ -36,15 +39,27 @@ crop.show()
 SIZE_8K = (7680, 4320)
 
 
-def _timed_show(sandbox, code: str, n: int) -> tuple[list[float], list[int]]:
-    """Seconds of each of ``n`` runs of ``code`` (which shows one image), and that image's size."""
-    times = []
-    for _ in range(n):
-        t = time.perf_counter()
+def unshown(code: str) -> str:
+    """``code`` without showing its image: the same work, the figure closed instead."""
+    return code.replace("plt.show()", "plt.close('all')").replace("crop.show()", "crop.load()")
+
+
+def _timed_show(sandbox, code: str, n: int) -> tuple[list[float], list[float], list[int]]:
+    """Seconds of each of ``n`` runs of ``code`` (which shows one image), alternating with runs of
+    the same code not showing it; and the shown image's size."""
+    frames: list[Any] = []
+
+    def show() -> None:
         r = sandbox.run(code)
-        times.append(time.perf_counter() - t)
         assert r.status == "ok" and len(r.frames) == 1, r.stderr
-    return times, list(r.frames[0].size)
+        frames[:] = r.frames
+
+    def no_show() -> None:
+        r = sandbox.run(unshown(code))
+        assert r.status == "ok" and not r.frames, r.stderr
+
+    shown, floor = _interleaved(show, no_show, n)
+    return shown, floor, list(frames[0].size)
 
 
 def _serve_forked(sock: socket.socket) -> None:
@@ -127,11 +142,13 @@ def run_benchmark(repeats: int = 30, n_concurrent: int = 64,
         first.run("x = 1")
     zygote_s = time.monotonic() - warm_start
 
-    starts = []
-    for _ in range(repeats):
+    starts, firsts = [], []
+    for i in range(repeats):
         t = time.monotonic()
         s = Sandbox(cfg, images={"image_clue_0": image}, **context)
         starts.append(time.monotonic() - t)
+        if i < max(5, repeats // 3):  # a trajectory's first image: nothing of it warm yet
+            firsts += _timed_show(s, CROP_SHOW, 1)[0]
         s.close()
 
     forked = ForkedWorker()
@@ -141,20 +158,28 @@ def run_benchmark(repeats: int = 30, n_concurrent: int = 64,
                 s.run("x = 1")
                 forked.run("x = 1")
                 s.run(CROP_SHOW)
+                s.run(unshown(CROP_SHOW))
 
             def call() -> None:
                 r = s.run("x = 1")
                 assert r.status == "ok", r.stderr
 
             overhead, baseline = _interleaved(call, lambda: forked.run("x = 1"), repeats)
-            crop, crop_size = _timed_show(s, CROP_SHOW, max(5, repeats // 3))
+            crop, crop_code, crop_size = _timed_show(s, CROP_SHOW, max(5, repeats // 3))
     finally:
         forked.close()
 
+    starts_8k = []
+    for _ in range(3):
+        t = time.monotonic()
+        s = Sandbox(cfg, images={"image_clue_0": big}, **context)
+        starts_8k.append(time.monotonic() - t)
+        s.close()
     with Sandbox(cfg, images={"image_clue_0": big}, **context) as s:
         for _ in range(2):
             s.run(CROP_8K)
-        crop8k, crop8k_size = _timed_show(s, CROP_8K, max(5, repeats // 3))
+            s.run(unshown(CROP_8K))
+        crop8k, crop8k_code, crop8k_size = _timed_show(s, CROP_8K, max(5, repeats // 3))
 
     base = process_tree_memory_mb()
     live = []
@@ -179,9 +204,13 @@ def run_benchmark(repeats: int = 30, n_concurrent: int = 64,
         "forked_worker_overhead_ms": floor,
         "overhead_ratio": round(over["median"] / max(floor["median"], 1e-6), 2),
         "crop_show_ms": summary_ms(crop),
+        "crop_show_first_ms": summary_ms(firsts),
+        "crop_show_code_ms": summary_ms(crop_code),
         "crop_show_size": crop_size,
         "crop_8k_ms": summary_ms(crop8k),
+        "crop_8k_code_ms": summary_ms(crop8k_code),
         "crop_8k_size": crop8k_size,
+        "start_8k_ms": summary_ms(starts_8k),
         "concurrent": {"n": n_concurrent, "alive": alive, "peak_rss_mb": peak["rss_mb"],
                        "peak_pss_mb": peak["pss_mb"], "baseline_rss_mb": base["rss_mb"],
                        "processes": peak["processes"]},

@@ -5,8 +5,10 @@ runtime (numpy as ``np``, PIL's ``Image``, matplotlib's ``plt`` with the Agg bac
 video) holding the task's media as ``image_clue_0``, ``image_clue_1``, ... or ``video_clue_0``.
 ``plt.show()``, ``img.show()`` and ``display(obj)`` return images (at most
 ``max_images_per_call``, larger than :data:`SHOWN_IMAGE_MAX_PIXELS` downscaled, each with one
-note in the output); printed output is kept up to ``max_output_chars`` (head and tail, with a
-marker); every call ends in an :class:`ExecResult` with status ``ok | error | timeout | oom |
+note in the output; a figure that is one image in a bare Axes, as ``plt.imshow(crop);
+plt.axis("off"); plt.show()`` draws, is composed with PIL instead of matplotlib's renderer: the
+same picture, several times cheaper); printed output is kept up to ``max_output_chars`` (head
+and tail, with a marker); every call ends in an :class:`ExecResult` with status ``ok | error | timeout | oom |
 crashed``. A call that times out, crashes or is killed still returns what the code printed before
 (the output lives in memory the host shares), then the reason ("killed after 3 s", "killed by
 SIGSEGV").

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Literal, Self
 
-from pipelines.agent.sandbox._zygote import output_buffer_size, render_output
+from pipelines.agent.sandbox._zygote import BIG_FRAME, output_buffer_size, render_output
 from pipelines.agent.sandbox.isolation import isolation_mode
 from pipelines.agent.sandbox.media import (
     MAX_IMAGE_BYTES,
@@ -81,7 +81,11 @@ class SandboxSetupError(UserError):
 
 
 def _send_frame(sock: socket.socket, payload: bytes) -> None:
-    sock.sendall(struct.pack(">I", len(payload)) + payload)
+    if len(payload) <= BIG_FRAME:
+        sock.sendall(struct.pack(">I", len(payload)) + payload)  # one send
+    else:  # media: not copied once more just to prepend four bytes
+        sock.sendall(struct.pack(">I", len(payload)))
+        sock.sendall(payload)
 
 
 def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
@@ -132,7 +136,23 @@ class _FrameReader:
                 if left <= 0 or not select.select([], [self.sock], [], left)[1]:
                     raise TimeoutError from None
 
-    def _take(self, n: int, deadline: float) -> bytes:
+    def _take(self, n: int, deadline: float) -> bytes | bytearray:
+        if n - len(self.buf) > BIG_FRAME:  # pixels: received in place, not grown and sliced
+            out = bytearray(n)
+            got = len(self.buf)
+            out[:got] = self.buf
+            self.buf.clear()
+            view = memoryview(out)
+            while got < n:
+                self._wait(deadline)
+                try:
+                    k = self.sock.recv_into(view[got:])
+                except BlockingIOError:
+                    continue
+                if not k:
+                    raise EOFError
+                got += k
+            return out
         while len(self.buf) < n:
             self._wait(deadline)  # poll first: the reply is rarely there already
             try:
@@ -146,7 +166,7 @@ class _FrameReader:
         del self.buf[:n]
         return out
 
-    def frame(self, limit: int, deadline: float) -> bytes:
+    def frame(self, limit: int, deadline: float) -> bytes | bytearray:
         (n,) = struct.unpack(">I", self._take(4, deadline))
         if n > limit:
             raise ValueError(f"sandbox sent a {n}-byte frame (limit {limit})")

@@ -225,6 +225,120 @@ def test_image_capture_only_current_call(sbx):
     assert sbx.run("print('none')").images == []
 
 
+# A figure that is one image in a bare Axes is composed without matplotlib's renderer; the model
+# must see the same picture at the same size as matplotlib would draw it, and every other figure
+# must still be drawn by matplotlib.
+SMOOTH = ("yy, xx = np.mgrid[0:600, 0:800]\n"
+          "smooth = np.stack([xx % 256, yy % 256, (xx + yy) // 8 % 256], -1).astype(np.uint8)\n")
+SINGLE_IMAGE_FIGURES = {
+    "crop and zoom": ("crop = Image.fromarray(smooth).crop((100, 100, 356, 356)).resize((768, 768))\n"
+                      "plt.figure(figsize=(4, 4))\nplt.imshow(crop)\nplt.axis('off')\nplt.show()"),
+    "default figure": "plt.imshow(smooth); plt.axis('off'); plt.show()",
+    "origin lower": "plt.imshow(smooth, origin='lower'); plt.axis('off'); plt.show()",
+    "colormapped": "plt.imshow(smooth[..., 0], cmap='gray'); plt.axis('off'); plt.show()",
+    "viridis floats": "plt.imshow(smooth[::8, ::8, 1] / 7.0); plt.axis('off'); plt.show()",
+    "upsampled": "plt.imshow(smooth[:12, :16]); plt.axis('off'); plt.show()",
+    "float rgb": "plt.imshow(smooth / 255.0); plt.axis('off'); plt.show()",
+    "opaque rgba": "plt.imshow(np.dstack([smooth, np.full(smooth.shape[:2], 255, np.uint8)]));"
+                   "plt.axis('off'); plt.show()",
+    "aspect auto": "plt.imshow(smooth, aspect='auto'); plt.axis('off'); plt.show()",
+    "tight layout, subplots": ("fig, ax = plt.subplots(figsize=(5, 3)); ax.imshow(smooth); "
+                               "ax.axis('off'); fig.tight_layout(); plt.show()"),
+    "display(fig)": "fig = plt.figure(); plt.imshow(smooth); plt.axis('off'); display(fig)",
+}
+MATPLOTLIB_FIGURES = {
+    "axis on": "plt.imshow(smooth); plt.show()",
+    "title": "plt.imshow(smooth); plt.axis('off'); plt.title('crop'); plt.show()",
+    "box drawn": ("import matplotlib.patches as patches\nfig, ax = plt.subplots()\nax.imshow(smooth)\n"
+                  "ax.add_patch(patches.Rectangle((10, 10), 200, 100, fill=False, color='r'))\n"
+                  "ax.axis('off')\nplt.show()"),
+    "two axes": ("fig, (a, b) = plt.subplots(1, 2)\na.imshow(smooth)\nb.imshow(smooth[..., 0])\n"
+                 "a.axis('off'); b.axis('off')\nplt.show()"),
+    "zoomed view": "plt.imshow(smooth); plt.xlim(0, 100); plt.axis('off'); plt.show()",
+    "text": "plt.imshow(smooth); plt.axis('off'); plt.text(10, 10, 'here', color='r'); plt.show()",
+    "suptitle": "plt.imshow(smooth); plt.axis('off'); plt.suptitle('s'); plt.show()",
+    "constrained layout": ("plt.figure(layout='constrained'); plt.imshow(smooth); plt.axis('off');"
+                           "plt.show()"),
+    "two images": "plt.imshow(smooth); plt.imshow(smooth[:50], alpha=0.5); plt.axis('off'); plt.show()",
+    "masked values": ("a = smooth[..., 0].astype(float); a[:20] = np.nan\nplt.imshow(a); plt.axis('off');"
+                      "plt.show()"),
+    "translucent rgba": ("plt.imshow(np.dstack([smooth, np.full(smooth.shape[:2], 128, np.uint8)]));"
+                         "plt.axis('off'); plt.show()"),
+}
+
+
+@pytest.fixture(scope="module")
+def context_sbx():
+    """A sandbox that knows the agent's context pixel bounds, as the agent loop's sandboxes do."""
+    from pipelines.config.agent import AgentConfig
+
+    agent = AgentConfig()
+    with Sandbox(SandboxConfig(timeout_s=20, isolation="bwrap" if bwrap_available() else "auto"),
+                 context_pixels=(agent.image_min_pixels, agent.image_max_pixels),
+                 context_factor=agent.image_factor) as s:
+        _ok(s.run(SMOOTH + "runtime = display.__self__"))
+        yield s
+
+
+def _shown_both_ways(sbx, code: str):
+    """The image ``code`` shows, composed when it can be, and drawn by matplotlib."""
+    import numpy as np
+
+    shown = []
+    for compose in (True, False):
+        result = sbx.run(f"runtime.compose_single_images = {compose}\n{code}")
+        _ok(result)
+        assert len(result.frames) == 1
+        shown.append(np.asarray(result.frames[0], dtype=np.int16))
+    _ok(sbx.run("runtime.compose_single_images = True"))
+    return shown
+
+
+@pytest.mark.parametrize("name", list(SINGLE_IMAGE_FIGURES))
+def test_a_figure_of_one_image_shows_what_matplotlib_draws(context_sbx, name):
+    import numpy as np
+
+    composed, drawn = _shown_both_ways(context_sbx, SINGLE_IMAGE_FIGURES[name])
+    assert composed.shape == drawn.shape  # the figure's size, at its context size
+    # The same picture: placement and content; only the resampling filter differs slightly.
+    assert np.abs(composed - drawn).mean() < 1.5, np.abs(composed - drawn).mean()
+    for corner in (composed[0, 0], composed[-1, -1], drawn[0, 0], drawn[-1, -1]):
+        assert tuple(corner) == (255, 255, 255)  # the figure's margin
+
+
+@pytest.mark.parametrize("name", list(MATPLOTLIB_FIGURES))
+def test_figures_with_more_than_one_bare_image_are_drawn_by_matplotlib(context_sbx, name):
+    import numpy as np
+
+    composed, drawn = _shown_both_ways(context_sbx, MATPLOTLIB_FIGURES[name])
+    assert np.array_equal(composed, drawn)
+
+
+def test_a_full_bleed_image_at_context_size_arrives_pixel_for_pixel(context_sbx):
+    """An image that fills its figure, already at its context size, is neither resampled nor
+    re-encoded on its way to the agent loop."""
+    import numpy as np
+
+    code = ("arr = np.random.default_rng(1).integers(0, 255, (196, 280, 3), dtype=np.uint8)\n"
+            "fig = plt.figure(figsize=(10, 7), dpi=28)\nax = fig.add_axes((0, 0, 1, 1))\n"
+            "ax.imshow(arr, aspect='auto')\nax.axis('off')\nplt.show()\n"
+            "Image.fromarray(arr).show()")
+    result = context_sbx.run(code)
+    _ok(result)
+    expected = np.random.default_rng(1).integers(0, 255, (196, 280, 3), dtype=np.uint8)
+    assert [f.size for f in result.frames] == [(280, 196), (280, 196)]
+    for frame in result.frames:
+        assert np.array_equal(np.asarray(frame), expected)
+
+
+def test_the_zygotes_warm_up_leaves_nothing_a_sandbox_can_see(sbx):
+    """The zygote draws a figure before forking (so that no sandbox pays for matplotlib's first
+    drawing); a sandbox starts as if that never happened."""
+    out = _ok(sbx.run("import gc\nprint(plt.get_fignums(), plt.figure().number, gc.isenabled(),"
+                      " matplotlib.get_backend().lower(), plt.rcParams['figure.dpi'])"))
+    assert out.split() == ["[]", "1", "True", "agg", "100.0"], out
+
+
 def test_extreme_aspect_ratio_is_an_error(sbx):
     result = sbx.run("Image.new('RGB', (4000, 10)).show()")
     assert result.status == "error" and "aspect ratio" in result.stderr
@@ -567,3 +681,27 @@ def test_rlimit_by_choice_does_not_say_bubblewrap_is_missing(monkeypatch):
     (message,) = [str(w.message) for w in warned]
     assert "NOT A SECURITY BOUNDARY" in message and "unavailable" not in message
     assert "isolation=rlimit was chosen" in message and "bubblewrap is installed" in message
+
+
+def test_frames_big_and_small_cross_whole_and_in_order():
+    """Pixels and media (frames over ``BIG_FRAME``) are received in place; whatever the reader
+    had read ahead of such a frame belongs to it, and small frames around it are untouched."""
+    import socket
+    import threading
+
+    from pipelines.agent.sandbox._zygote import BIG_FRAME, FrameReader, send_frame
+    from pipelines.agent.sandbox.client import _FrameReader, _send_frame
+
+    payloads = [b"{}", os.urandom(3 * BIG_FRAME + 7), b"x" * 5, os.urandom(BIG_FRAME + 1),
+                os.urandom(BIG_FRAME), b"end"]
+    for send, make_reader, read in (
+            (send_frame, _FrameReader, lambda r: r.frame(1 << 30, time.monotonic() + 10)),
+            (_send_frame, FrameReader, lambda r: r.frame())):
+        a, b = socket.socketpair()
+        with a, b:
+            sender = threading.Thread(
+                target=lambda send=send, sock=a: [send(sock, p) for p in payloads])
+            sender.start()
+            reader = make_reader(b)
+            assert [bytes(read(reader)) for _ in payloads] == payloads
+            sender.join()

@@ -15,9 +15,11 @@ def test_perf_sandbox_json_shape():
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     for key in ("start_ms", "call_overhead_ms", "crop_show_ms", "crop_8k_ms",
-                "forked_worker_overhead_ms"):
+                "forked_worker_overhead_ms", "crop_show_code_ms", "crop_8k_code_ms", "start_8k_ms",
+                "crop_show_first_ms"):
         assert set(data[key]) >= {"median", "p95"} and data[key]["median"] > 0
         assert data[key]["p95"] >= data[key]["median"]
+    assert data["crop_show_size"] == [392, 392] and data["crop_8k_size"] == [1036, 1036]
     assert data["concurrent"]["n"] == 3 and data["concurrent"]["alive"] == 3
     assert data["concurrent"]["peak_rss_mb"] > 0
     assert data["overhead_ratio"] == pytest.approx(
