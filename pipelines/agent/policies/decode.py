@@ -398,6 +398,8 @@ def decode_batch(model: Any, ids: Any, attn: Any, vision: dict[str, Any], *, max
                     past_key_values=cache, use_cache=True, logits_to_keep=1,
                     **{k: v for k, v in vision.items() if k != "mm_token_type_ids"})
         last = out.logits[:, -1]
+        if past is not None:
+            attn = _close_holes(cache.layers, attn)
         for _ in range(max_new_tokens):
             logits = last.float()
             scores = logits.clone()
@@ -452,6 +454,35 @@ def decode_batch(model: Any, ids: Any, attn: Any, vision: dict[str, Any], *, max
             if on_done is not None:
                 on_done(r, row)
     return rows
+
+
+def _close_holes(layers: list[Any], attn: Any, room: int = 64) -> Any:
+    """Move each row's real states to the right end of a buffer as long as the longest row's,
+    and return the new padding mask.
+
+    A prefill over cached states leaves two runs of padding in a row (before its cached states
+    and before its new tokens, each as long as the batch's longest one needs); the decode steps
+    after it would attend over both. Closed, the rows are plain left-padded again, as long as
+    without a cache. Only masked positions move out, so the logits do not change."""
+    import torch
+
+    valid = attn.bool()
+    width = int(valid.sum(-1).max())
+    if width == attn.shape[1]:
+        return attn
+    # Per row: its masked positions first, then its real ones, each in order; keep the last
+    # ``width`` (all the real ones, right-aligned).
+    index = torch.sort(valid.to(torch.int8), dim=-1, stable=True).indices[:, -width:]
+    for layer in layers:
+        for name in ("keys", "values"):
+            old = getattr(layer, name)
+            new = old.new_empty((*old.shape[:2], width + room, old.shape[-1]))
+            new[:, :, :width] = torch.gather(
+                old[:, :, : layer.length], 2,
+                index[:, None, :, None].expand(-1, old.shape[1], -1, old.shape[-1]))
+            setattr(layer, name, new)
+        layer.length = width
+    return torch.gather(attn, 1, index)
 
 
 def _keep_row_cache(row: Row, j: int, cache: Any, attn: Any, context_len: int) -> None:
