@@ -25,6 +25,18 @@ tokens, optional logits processors. The log-prob recorded for each token is that
 distribution it was sampled from before any processor or top-p cut (``softmax(logits / T)``,
 or ``T = 1`` when greedy): what the trainer recomputes.
 
+An agent turn's context is the last turn's context plus a few dozen new tokens (the closing of
+the last turn, the interpreter's text and images, the next turn's opening), so the policy
+(``hf.py``) keeps each episode's KV states between its turns (``keep_cache``: a row's states are
+copied out, padding dropped, when it stops) and the next turn prefills only the new tokens over
+them (``past``, built by :func:`pad_past`; ``positions`` are those of the whole context, from
+``get_rope_index``, and only the new images' pixels go in). The prefill then leaves two runs of
+padding in a row, before its cached states and before its new tokens; :func:`_close_holes`
+gathers each row's states right-aligned again, so decode steps attend over no more keys than
+without a cache. The logits differ from a whole-context prefill by float32 rounding only
+(``tests/pipelines/agent/test_kv_reuse.py``). On the demo's SFT model (64 held-out image tasks,
+batch 16, 256 tokens a turn) this prefills 19k tokens instead of 56k.
+
 A second temperature can apply inside code (``code_temperature``, Thyme's idea): a row samples at
 ``code_temperature`` from the token after its turn has opened a ``<code>`` block (``opens_code``
 says so) until the turn ends, and at ``temperature`` before. Each token's temperature is

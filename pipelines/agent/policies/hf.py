@@ -8,6 +8,13 @@ Several episodes advance together: their contexts are left-padded into one batch
 pixel values (computed once per image and cached) are concatenated in order, and one batched
 decode (``decode.py``, which drops each row from the batch as soon as its turn ends) produces
 everyone's next turn.
+
+Each episode's KV states are kept on its :class:`TokenContext` between turns (``reuse_cache``,
+on by default), so a turn runs only its new tokens and new images through the model. They are
+used only while the context still starts with the tokens they were computed for, under the same
+weights (an optimizer step changes ``_weights()``), and never split an image; otherwise the
+turn prefills its whole context. ``end`` (which the agent loop calls for every episode, finished
+or abandoned) drops them.
 """
 
 from __future__ import annotations
