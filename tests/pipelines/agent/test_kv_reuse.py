@@ -194,3 +194,23 @@ def test_reuse_off_keeps_no_cache(policy):
         assert h.kv is None
     finally:
         policy.reuse_cache = True
+
+
+def test_closing_the_holes_right_aligns_each_row_s_states_in_order():
+    """After a prefill over cached states a row is [padding, cached, padding, new]; closed, it
+    is [padding, cached, new], as long as the longest row, the states in their order."""
+    from pipelines.agent.policies.decode import _close_holes, _growing_layer_class
+
+    attn = torch.tensor([[0, 1, 1, 0, 1], [1, 1, 1, 1, 1], [0, 0, 0, 1, 1]])
+    keys = (torch.arange(5.0) + 10 * torch.arange(3.0)[:, None])[:, None, :, None]  # [3, 1, 5, 1]
+    layer = _growing_layer_class()()
+    layer.preset(keys.clone(), -keys.clone(), 5)
+    assert torch.equal(_close_holes([layer], attn), attn)  # nothing to close: unchanged
+    attn = attn[[0, 2]]
+    layer.preset(keys[[0, 2]].clone(), -keys[[0, 2]].clone(), 5)
+    closed = _close_holes([layer], attn)
+    assert closed.tolist() == [[1, 1, 1], [0, 1, 1]]
+    assert layer.length == 3
+    assert layer.keys[0, 0, :3, 0].tolist() == [1.0, 2.0, 4.0]
+    assert layer.keys[1, 0, 1:3, 0].tolist() == [23.0, 24.0]
+    assert layer.values[0, 0, :3, 0].tolist() == [-1.0, -2.0, -4.0]
