@@ -8,16 +8,35 @@ Several episodes advance together: their contexts are left-padded into one batch
 pixel values (computed once per image and cached) are concatenated in order, and one batched
 decode (``decode.py``, which drops each row from the batch as soon as its turn ends) produces
 everyone's next turn.
+
+Each episode's KV states are kept on its :class:`TokenContext` between turns (``reuse_cache``,
+on by default), so a turn runs only its new tokens and new images through the model. They are
+used only while the context still starts with the tokens they were computed for, under the same
+weights (an optimizer step changes ``_weights()``), and never split an image; otherwise the
+turn prefills its whole context. ``end`` (which the agent loop calls for every episode, finished
+or abandoned) drops them.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from pipelines.agent.policies.base import Generation, Sampling
 from pipelines.agent.policies.tokens import ChatTokens, TokenContext, mm_token_type_ids
 from pipelines.agent.trajectory import TokenTrace
+
+
+@dataclass
+class _Cached:
+    """The KV states of an episode's first tokens, kept between its turns."""
+
+    ids: list[int]                    # the tokens whose states ``layers`` hold
+    layers: list[tuple[Any, Any]]     # per layer (keys, values), [heads, len(ids), dim]
+    weights: tuple | None             # HFPolicy._weights() when they were computed
+    n_image_tokens: int               # image pad tokens among ``ids``
 
 
 class HFPolicy:
@@ -27,7 +46,8 @@ class HFPolicy:
     name = "hf"
 
     def __init__(self, model: Any, processor: Any, *, image_min_pixels: int = 3136,
-                 image_max_pixels: int = 2_000_000, image_factor: int = 28) -> None:
+                 image_max_pixels: int = 2_000_000, image_factor: int = 28,
+                 reuse_cache: bool = True) -> None:
         self.model = model
         self.processor = processor
         self.tokenizer = processor.tokenizer
@@ -44,6 +64,16 @@ class HFPolicy:
         # Extra transformers LogitsProcessors applied when sampling (tests force tokens with one);
         # the recorded log-probs stay the model's own.
         self.logits_processors: list[Any] = []
+        # Keep each episode's KV cache between its turns, so that a turn runs only its new tokens
+        # through the model (False: every turn prefills its whole context, as a reference).
+        # Qwen2.5-VL and Qwen3-VL with full attention only (a sliding window would need the
+        # padding this cache adds to stay out of its window).
+        self.reuse_cache = reuse_cache
+        text = model.config.get_text_config()
+        self._reusable = model.config.model_type in ("qwen2_5_vl", "qwen3_vl") and \
+            set(getattr(text, "layer_types", None) or ["full_attention"]) == {"full_attention"}
+        # Rows that reused states / were prefilled whole, their tokens, and dropped states.
+        self.cache_stats: Counter[str] = Counter()
 
     @classmethod
     def from_pretrained(cls, path: str, *, device: str = "auto", dtype: str = "auto",
@@ -96,39 +126,99 @@ class HFPolicy:
                  on_done: Callable[[int, Generation], None] | None = None) -> list[Generation]:
         import torch
 
+        from pipelines.agent.policies.decode import Row, decode_batch, initial_positions, pad_past
+
         device = next(self.model.parameters()).device
-        longest = max(len(h.ids) for h in handles)
+        reuse = self.reuse_cache and self._reusable
+        weights = self._weights() if reuse else None
+        starts = [self._cached_prefix(h, weights) if reuse else (0, 0) for h in handles]
+        before = [len(h.ids) for h in handles]
+        longest = max(before)
         ids = torch.full((len(handles), longest), self.pad_id, dtype=torch.long)
         attn = torch.zeros((len(handles), longest), dtype=torch.long)
         for i, h in enumerate(handles):  # left padding: every row ends where generation starts
             ids[i, longest - len(h.ids):] = torch.tensor(h.ids)
             attn[i, longest - len(h.ids):] = 1
+        ids, attn = ids.to(device), attn.to(device)
+        full = ids
+        grids = [g for h in handles for g in h.grids]
+        # Positions over every row's whole context, cached part included.
+        positions = initial_positions(self.model, ids, attn, {
+            "image_grid_thw": torch.cat(grids).to(device),
+            "mm_token_type_ids": mm_token_type_ids(ids, self.model.config).to(device)}
+            if grids else {})
+        # What goes through the model now: each row's tokens after its cached prefix (all of
+        # them for a row without one), still left-padded, and the pixels of their images.
+        width = max(n - c for n, (c, _) in zip(before, starts))
+        ids, attn, positions = (ids[:, longest - width:].clone(), attn[:, longest - width:].clone(),
+                                positions[:, :, longest - width:])
+        for i, (n, (c, _)) in enumerate(zip(before, starts)):
+            ids[i, : width - (n - c)] = self.pad_id
+            attn[i, : width - (n - c)] = 0
         kwargs: dict[str, Any] = {}
-        pix = [p for h in handles for p in h.pixel_values]
+        pix = [p for h, (_, k) in zip(handles, starts) for p in h.pixel_values[k:]]
         if pix:
             kwargs["pixel_values"] = torch.cat(pix).to(device)
-            kwargs["image_grid_thw"] = torch.cat([g for h in handles for g in h.grids]).to(device)
-            kwargs["mm_token_type_ids"] = mm_token_type_ids(ids, self.model.config).to(device)
-        from pipelines.agent.policies.decode import Row, decode_batch
+            kwargs["image_grid_thw"] = torch.cat(
+                [g for h, (_, k) in zip(handles, starts) for g in h.grids[k:]]).to(device)
+        past = pad_past([h.kv.layers if c else None for h, (c, _) in zip(handles, starts)],
+                        room=width + 64) if reuse else None
+        for i, (c, _) in enumerate(starts):
+            self.cache_stats["reused" if c else "prefilled"] += 1
+            self.cache_stats["tokens_reused"] += c
+            self.cache_stats["tokens_prefilled"] += before[i] - c
 
         results: list[Generation | None] = [None] * len(handles)
 
         def finish(i: int, row: Row) -> None:
+            h = handles[i]
             kept, reason, text = self.tokens.cut(row.tokens)
-            self.tokens.append_generated(handles[i], kept, row.logprobs[: len(kept)],
+            self.tokens.append_generated(h, kept, row.logprobs[: len(kept)],
                                          row.temperatures[: len(kept)])
+            h.kv = None
+            if row.cache is not None and row.fed <= len(kept):
+                n = before[i] + row.fed  # the states cover the context and the fed tokens
+                h.kv = _Cached(h.ids[:n], row.cache, weights,
+                               h.ids[:n].count(self.image_token_id))
             results[i] = Generation(text=text, finish=reason, n_tokens=len(kept))
             if on_done is not None:
                 on_done(i, results[i])
 
         with torch.no_grad():
             decode_batch(
-                self.model, ids.to(device), attn.to(device), kwargs,
+                self.model, ids, attn, kwargs,
                 max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
                 top_p=sampling.top_p, stops=self.tokens.ends_turn, eos_ids=sorted(self.eos_ids),
                 suppress=self.model.generation_config.suppress_tokens or (),
                 processors=self.logits_processors, on_done=finish,
                 code_temperature=sampling.code_temperature,
                 opens_code=self.tokens.opens_code if sampling.code_temperature is not None
-                else None)
+                else None, positions=positions, past=past, keep_cache=reuse,
+                context=full if self.logits_processors else None)
         return results  # type: ignore[return-value]
+
+    # -- the KV cache kept between turns -------------------------------------------------------
+
+    def _weights(self) -> tuple:
+        """Changes whenever a parameter is updated in place (an optimizer step) or replaced: states
+        computed under other weights are never reused."""
+        return tuple((p.data_ptr(), p._version) for p in self.model.parameters())
+
+    def _cached_prefix(self, h: TokenContext, weights: tuple) -> tuple[int, int]:
+        """How many of ``h``'s tokens, and of its images, its kept states cover; (0, 0) (and the
+        states dropped) when they cannot be reused: computed under other weights, not a prefix
+        of the context any more, leaving no new token, or ending inside an image."""
+        c: _Cached | None = h.kv
+        if c is None:
+            return 0, 0
+        n = len(c.ids)
+        images, seen = 0, 0
+        if c.weights == weights and n < len(h.ids) and h.ids[:n] == c.ids:
+            while images < len(h.grids) and seen < c.n_image_tokens:
+                seen += int(h.grids[images].prod()) // self.tokens.merge
+                images += 1
+            if seen == c.n_image_tokens:
+                return n, images
+        self.cache_stats["fallbacks"] += 1
+        h.kv = None
+        return 0, 0

@@ -96,6 +96,8 @@ class TokenContext:
     images: list[Any] = field(default_factory=list)        # PIL, in context order
     pixel_values: list[Any] = field(default_factory=list)  # one tensor per image (if kept)
     grids: list[Any] = field(default_factory=list)         # one [1, 3] tensor per image
+    # The in-process policy's KV cache of a prefix of ``ids`` (``hf.py``); None when none is kept.
+    kv: Any = field(default=None, repr=False, compare=False)
 
 
 def check_image_factor(processor: Any, factor: int) -> int:
@@ -273,3 +275,4 @@ class ChatTokens:
 
     def end(self, ctx: TokenContext) -> None:
         ctx.pixel_values.clear()
+        ctx.kv = None

@@ -1,0 +1,216 @@
+"""The in-process policy keeps each episode's KV cache between turns (``hf.py``, ``decode.py``):
+a turn then runs only its new tokens (the closing of the last turn, the interpreter's text and
+images, the next turn's opening) through the model. Checked on a tiny Qwen2.5-VL and a tiny
+Qwen3-VL against the same policy prefilling every turn's whole context: the next-token
+distributions agree to float32 rounding, greedy trajectories are token for token the same, a
+context that no longer starts with the cached tokens (or weights that changed) is prefilled
+whole, and an episode's cache goes when the episode ends."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+from PIL import Image
+
+from pipelines.agent.policies.base import Sampling
+from pipelines.agent.policies.hf import HFPolicy
+from pipelines.agent.protocol import format_observation
+
+ARCHS = {"qwen2_5_vl": ("tiny_model_dir", 28), "qwen3_vl": ("tiny_qwen3_dir", 32)}
+
+QUESTIONS = ["How many red objects are there?", "What colour is it?\n(A) red\n(B) blue",
+             "Where is the cyan square? Answer in a few words, please."]
+
+# float32 next-token log-probs of a cached continuation against a whole-context prefill differ
+# by rounding only (the same arithmetic in another order: attention over a padded cache, other
+# matmul shapes). Measured here: at most 2.3e-4 over the whole vocabulary (whose unlikely tokens
+# have log-probs down to -47 in these sharpened random models, so logits are large) and 3e-5 for
+# the tokens chosen; positions off by one, or the new images blanked, moved them by 6 to 25 (tried).
+VOCAB_ATOL = 1e-3
+CHOSEN_ATOL = 1e-4
+
+
+@pytest.fixture(scope="module", params=list(ARCHS))
+def policy(request) -> HFPolicy:
+    fixture, factor = ARCHS[request.param]
+    pol = HFPolicy.from_pretrained(str(request.getfixturevalue(fixture)), device="cpu",
+                                   dtype="float32", image_max_pixels=12544, image_factor=factor)
+    with torch.no_grad():  # sharper than the random init, so rows stop at different lengths
+        for p in pol.model.parameters():
+            p.mul_(6.0)
+    # A random model writes image pads too, which no image backs; a trained one does not.
+    pol.model.generation_config.suppress_tokens = pol.tokenizer.convert_tokens_to_ids(
+        ["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"])
+    return pol
+
+
+def _begin(policy, i: int):
+    img = Image.new("RGB", (200 + 60 * i, 140), (200, 30 * i, 40))
+    return policy.begin([{"role": "user", "content": [{"type": "image", "image": img},
+                                                      {"type": "text", "text": QUESTIONS[i]}]}])
+
+
+def _observe(policy, handle, turn: int, i: int) -> None:
+    """An interpreter turn: printed text and, on every other turn, one or two figures (of
+    sizes that differ per row, so image pad runs and cached lengths differ)."""
+    side = policy.tokens.factor
+    n = (turn + i) % 3
+    images = [Image.new("RGB", (side * (2 + i + k), side * 3), (20 * k, 90, 30 * turn))
+              for k in range(n)]
+    parts = format_observation("ok", f"value {turn * 7 + i}\n", "", n, 1 + turn, "feedback")
+    policy.observe(handle, parts, images)
+
+
+def _session(policy, reuse: bool, stops: set[int], turns: int = 3, max_new: int = 16):
+    """Greedy multi-turn episodes, batched as the agent loop batches them: three episodes, a
+    fourth joining at the second turn (a row without a cache beside rows with one), the first
+    one leaving after the second turn; ``stops`` end a turn as an eos token does, so turns end
+    at different lengths (their last token not yet run through the model) or at ``max_new``
+    (all of them run). Returns each handle's context and log-probs, the full next-token
+    log-probs of every decode step, the turns' lengths and the policy's cache counters."""
+    policy.reuse_cache = reuse
+    policy.cache_stats.clear()
+    policy.eos_ids.update(stops)
+    lengths: list[int] = []
+    steps: list[torch.Tensor] = []
+
+    def record(context, scores):
+        steps.append(torch.log_softmax(scores, dim=-1))
+        return scores
+
+    policy.logits_processors = [record]
+    try:
+        handles = [_begin(policy, i) for i in range(3)]
+        active = list(handles)
+        for turn in range(turns):
+            if turn == 1:
+                late = _begin(policy, 2)
+                handles.append(late)
+                active.append(late)
+            lengths += [g.n_tokens for g in policy.generate(active, Sampling(max_new, 0.0, 1.0))]
+            if turn == 1:
+                policy.end(active.pop(0))
+            for i, h in enumerate(active):
+                _observe(policy, h, turn, i)
+        stats = dict(policy.cache_stats)
+        for h in active:
+            policy.end(h)
+    finally:
+        policy.logits_processors = []
+        policy.reuse_cache = True
+        policy.eos_ids.difference_update(stops)
+    return [(h.ids, h.logprobs) for h in handles], steps, lengths, stats
+
+
+@pytest.fixture(scope="module")
+def sessions(policy):
+    probes = [_begin(policy, i) for i in range(3)]
+    policy.generate(probes, Sampling(8, 0.0, 1.0))
+    # Tokens these weights write now and then (not the eos tokens themselves).
+    stops = {h.ids[h.prompt_len + 5] for h in probes} - policy.eos_ids
+    for h in probes:
+        policy.end(h)
+    return _session(policy, False, stops), _session(policy, True, stops)
+
+
+def test_cached_turns_give_the_same_next_token_distributions(sessions):
+    (_, full_steps, _, full_stats), (_, cached_steps, lengths, stats) = sessions
+    assert 16 in lengths and min(lengths) < 16  # turns cut at the limit and stopped early
+    assert full_stats.get("reused", 0) == 0
+    # Turn 2: three rows continue their cache, the new one is prefilled; turn 3: three rows.
+    assert stats["reused"] == 6 and stats["prefilled"] == 4
+    assert stats["tokens_prefilled"] < 0.6 * full_stats["tokens_prefilled"]
+    assert len(cached_steps) == len(full_steps) > 0
+    for a, b in zip(full_steps, cached_steps):
+        finite = a.isfinite()  # suppressed tokens are -inf on both sides
+        assert torch.equal(finite, b.isfinite())
+        assert float((a[finite] - b[finite]).abs().max()) <= VOCAB_ATOL
+
+
+def test_greedy_multi_turn_trajectories_are_the_same_token_for_token(sessions):
+    (full, _, _, _), (cached, _, _, _) = sessions
+    assert [ids for ids, _ in cached] == [ids for ids, _ in full]
+    generated = sum(len(lp) for _, lp in full)
+    assert generated >= 100  # 4 episodes, 9 turns cached or not
+    for (_, a), (_, b) in zip(full, cached):
+        assert a == pytest.approx(b, abs=CHOSEN_ATOL)
+
+
+def test_a_context_that_no_longer_starts_with_the_cached_tokens_is_prefilled_whole(policy):
+    def two_turns(reuse: bool, edit: bool):
+        policy.reuse_cache = reuse
+        policy.cache_stats.clear()
+        try:
+            h = _begin(policy, 1)
+            policy.generate([h], Sampling(8, 0.0, 1.0))
+            _observe(policy, h, 0, 1)
+            if edit:  # an earlier token changed: the cached states are of another context
+                h.ids[h.prompt_len] = policy.tokenizer.convert_tokens_to_ids("a")
+            assert (h.kv is not None) == reuse
+            policy.generate([h], Sampling(8, 0.0, 1.0))
+            return h.ids, dict(policy.cache_stats)
+        finally:
+            policy.reuse_cache = True
+
+    want, _ = two_turns(False, edit=True)
+    got, stats = two_turns(True, edit=True)
+    assert got == want
+    assert stats["fallbacks"] == 1 and stats.get("reused", 0) == 0
+    _, stats = two_turns(True, edit=False)
+    assert stats["reused"] == 1 and stats.get("fallbacks", 0) == 0
+
+
+def test_states_computed_under_other_weights_are_not_reused(policy):
+    h = _begin(policy, 0)
+    policy.generate([h], Sampling(8, 0.0, 1.0))
+    _observe(policy, h, 0, 0)
+    policy.cache_stats.clear()
+    weight = next(policy.model.parameters())
+    with torch.no_grad():
+        weight.add_(0.0)  # an in-place update, as an optimizer step makes
+    policy.generate([h], Sampling(8, 0.0, 1.0))
+    assert policy.cache_stats["fallbacks"] == 1 and policy.cache_stats["reused"] == 0
+    policy.end(h)
+
+
+def test_an_episode_s_cache_is_released_when_it_ends(policy):
+    h = _begin(policy, 0)
+    policy.generate([h], Sampling(8, 0.0, 1.0))
+    assert h.kv is not None and len(h.kv.ids) >= len(h.ids) - 1
+    keys = weakref.ref(h.kv.layers[0][0])
+    policy.end(h)
+    gc.collect()
+    assert h.kv is None and keys() is None
+
+
+def test_reuse_off_keeps_no_cache(policy):
+    policy.reuse_cache = False
+    try:
+        h = _begin(policy, 0)
+        policy.generate([h], Sampling(8, 0.0, 1.0))
+        assert h.kv is None
+    finally:
+        policy.reuse_cache = True
+
+
+def test_closing_the_holes_right_aligns_each_row_s_states_in_order():
+    """After a prefill over cached states a row is [padding, cached, padding, new]; closed, it
+    is [padding, cached, new], as long as the longest row, the states in their order."""
+    from pipelines.agent.policies.decode import _close_holes, _growing_layer_class
+
+    attn = torch.tensor([[0, 1, 1, 0, 1], [1, 1, 1, 1, 1], [0, 0, 0, 1, 1]])
+    keys = (torch.arange(5.0) + 10 * torch.arange(3.0)[:, None])[:, None, :, None]  # [3, 1, 5, 1]
+    layer = _growing_layer_class()()
+    layer.preset(keys.clone(), -keys.clone(), 5)
+    assert torch.equal(_close_holes([layer], attn), attn)  # nothing to close: unchanged
+    attn = attn[[0, 2]]
+    layer.preset(keys[[0, 2]].clone(), -keys[[0, 2]].clone(), 5)
+    closed = _close_holes([layer], attn)
+    assert closed.tolist() == [[1, 1, 1], [0, 1, 1]]
+    assert layer.length == 3
+    assert layer.keys[0, 0, :3, 0].tolist() == [1.0, 2.0, 4.0]
+    assert layer.keys[1, 0, 1:3, 0].tolist() == [23.0, 24.0]
+    assert layer.values[0, 0, :3, 0].tolist() == [-1.0, -2.0, -4.0]
