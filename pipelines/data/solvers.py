@@ -95,19 +95,17 @@ def _image_steps(task: Task, rng: random.Random) -> list[Step]:
     a, m = rng.choice(NAMES)
     load = f"{a} = np.asarray(image_clue_0).astype(int)\n"
     if fam == "color":
-        # The options are copied first, as words in the order the restated question lists them
-        # (one short, in-order copy), then matched through the palette, which is the same text
-        # in every task. One constant per option instead made the model copy each option into
-        # a constant line of its own: it got the fourth wrong far more often than the others.
-        palette = f"palette = {{{', '.join(f'{chr(34)}{c}{chr(34)}: {_rgb(c)}' for c in PALETTE)}}}\n"
-        measure = load + f"{m} = ({a}.max(-1) - {a}.min(-1)) > 80\nrgb = {a}[{m}].mean(0)\n" + palette
         if task.answer_type == "choice":
-            table = ", ".join(f'"{k}": "{c}"' for k, c in _options(task).items())
-            code = (f"options = {{{table}}}\n" + measure +
-                    "print(min(options, key=lambda k: np.abs(rgb - palette[options[k]]).sum()))")
+            consts = _consts(*_options(task).values())
+            table = ", ".join(f'"{k}": {c}' for k, c in _options(task).items())
         else:
-            code = measure + "print(min(palette, key=lambda k: np.abs(rgb - palette[k]).sum()))"
-        thought = rng.choice(["Only the target is coloured: I match its mean colour with the palette.",
+            consts = ""
+            table = ", ".join(f'"{c}": {_rgb(c)}' for c in PALETTE)
+        code = (load + f"{m} = ({a}.max(-1) - {a}.min(-1)) > 80\nrgb = {a}[{m}].mean(0)\n"
+                f"{consts}options = {{{table}}}\n"
+                "print(min(options, key=lambda k: np.abs(rgb - options[k]).sum()))")
+        thought = rng.choice([("Everything but the target is grey, so I take the mean colour of the "
+                               "saturated pixels and compare it with the options."),
                               "I find the coloured pixels and match their mean colour."])
         return [Step(thought, code)]
     if fam == "count":
