@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 
 from pipelines.core.records import Task
-from pipelines.data.vocab import MC_INSTRUCTION, PALETTE
+from pipelines.data.vocab import PALETTE
 
 
 @dataclass(frozen=True)
@@ -48,12 +48,6 @@ def _consts(*colours: str) -> str:
 
 def _options(task: Task) -> dict[str, str]:
     return {chr(65 + i): o for i, o in enumerate(task.options)}
-
-
-def restated(task: Task) -> str:
-    """The question as the solver restates it: its stem and option lines, verbatim, without the
-    answer-format instruction (the code copies the options, never the instruction)."""
-    return "\n".join(line for line in task.question.strip().splitlines() if line != MC_INSTRUCTION)
 
 
 def _colour_in(question: str) -> str:
@@ -183,11 +177,11 @@ def plan(task: Task, rng: random.Random) -> SolverPlan:
     steps = _video_steps(task, rng) if task.video else _image_steps(task, rng)
     if rng.random() < 0.5 and task.metadata.get("family") != "text":
         steps = [rng.choice(LOOK_VIDEO if task.video else LOOK_IMAGE)] + steps
-    # The agent restates what it is asked, as careful agents do, right before the code that needs
-    # it: the words that code copies (the colour to mask, the options to compare) are then a few
-    # tokens back in its own text, whether or not it looked at the media first.
-    last = steps[-1]
-    steps[-1] = Step(f"The question: {restated(task)}\n{last.thought}", last.code)
+    # The agent first restates what it is asked, as careful agents do; the words it then needs
+    # (a colour, the kind of question) are copied from its own recent text.
+    first = steps[0]
+    asked = task.question.strip().splitlines()[0]
+    steps[0] = Step(f"The question: {asked}\n{first.thought}", first.code)
     answer = task.metadata.get("word") if task.metadata.get("family") == "text" else task.answer
     closing = rng.choice(CLOSING).format(answer=answer)
     if task.metadata.get("family") == "text":
