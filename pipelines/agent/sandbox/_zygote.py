@@ -88,6 +88,25 @@ def recv_frame(sock: socket.socket) -> bytes:
     return recv_exact(sock, n)
 
 
+def read_in_place(buf: bytearray, n: int, recv_into) -> bytearray:
+    """A big frame of ``n`` bytes: what ``buf`` already holds (then cleared), and the rest
+    received straight into place. ``recv_into(view)`` returns how many bytes it read, 0 when the
+    peer closed, None when nothing was there yet (it is asked again)."""
+    out = bytearray(n)
+    got = len(buf)
+    out[:got] = buf
+    buf.clear()
+    view = memoryview(out)
+    while got < n:
+        k = recv_into(view[got:])
+        if k is None:
+            continue
+        if not k:
+            raise EOFError("peer closed")
+        got += k
+    return out
+
+
 class FrameReader:
     """``recv_frame`` with a read-ahead buffer: a small frame (a call's code) costs one
     ``recv`` instead of two."""
@@ -98,17 +117,7 @@ class FrameReader:
 
     def _take(self, n: int) -> bytes | bytearray:
         if n - len(self.buf) > BIG_FRAME:  # media: received in place, not grown and sliced
-            out = bytearray(n)
-            got = len(self.buf)
-            out[:got] = self.buf
-            self.buf.clear()
-            view = memoryview(out)
-            while got < n:
-                k = self.sock.recv_into(view[got:])
-                if not k:
-                    raise EOFError("peer closed")
-                got += k
-            return out
+            return read_in_place(self.buf, n, self.sock.recv_into)
         while len(self.buf) < n:
             chunk = self.sock.recv(max(n - len(self.buf), 65536))
             if not chunk:

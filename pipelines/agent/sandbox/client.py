@@ -21,7 +21,12 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Literal, Self
 
-from pipelines.agent.sandbox._zygote import BIG_FRAME, output_buffer_size, render_output
+from pipelines.agent.sandbox._zygote import (
+    BIG_FRAME,
+    output_buffer_size,
+    read_in_place,
+    render_output,
+)
 from pipelines.agent.sandbox.isolation import isolation_mode
 from pipelines.agent.sandbox.media import (
     MAX_IMAGE_BYTES,
@@ -138,21 +143,14 @@ class _FrameReader:
 
     def _take(self, n: int, deadline: float) -> bytes | bytearray:
         if n - len(self.buf) > BIG_FRAME:  # pixels: received in place, not grown and sliced
-            out = bytearray(n)
-            got = len(self.buf)
-            out[:got] = self.buf
-            self.buf.clear()
-            view = memoryview(out)
-            while got < n:
+            def recv_into(view: memoryview) -> int | None:
                 self._wait(deadline)
                 try:
-                    k = self.sock.recv_into(view[got:])
+                    return self.sock.recv_into(view)
                 except BlockingIOError:
-                    continue
-                if not k:
-                    raise EOFError
-                got += k
-            return out
+                    return None
+
+            return read_in_place(self.buf, n, recv_into)
         while len(self.buf) < n:
             self._wait(deadline)  # poll first: the reply is rarely there already
             try:
