@@ -6,8 +6,9 @@ The image measurements run as the agent loop runs them: the sandbox knows the co
 bounds (``agent.image_min_pixels`` / ``image_max_pixels`` of the default agent settings), so shown
 images come back at the size the model sees them. Each is timed alternately with the same code
 that does not show its image (``*_code_ms``): what the model's own code costs (the crop, the
-zoom, matplotlib's Axes), so that the difference is what showing costs (capture, resize to the
-context size, transfer to the agent loop).
+zoom; the pyplot calls of a one-image figure are only recorded until it is shown, see
+``DeferredPyplot`` in the sandbox), so that the difference is what showing costs (composing the
+picture at the context size, transfer to the agent loop).
 """
 
 from __future__ import annotations

@@ -425,6 +425,7 @@ def _warm_up(preloaded: dict) -> None:
         ax.apply_aspect()
     finally:
         plt.close(fig)
+    PyplotDefaults.get()
     gc.collect()
     gc.freeze()
 
@@ -434,6 +435,312 @@ def _warm_up(preloaded: dict) -> None:
 PIL_FILTERS = {"nearest": "NEAREST", "none": "NEAREST", "bilinear": "BILINEAR",
                "bicubic": "BICUBIC", "lanczos": "LANCZOS", "hanning": "HAMMING",
                "hamming": "HAMMING"}
+
+
+class PyplotDefaults:
+    """What a default pyplot figure with one ``imshow`` looks like, read once from matplotlib
+    itself (in the zygote's warm-up): the settings it is drawn with and where its Axes sits
+    before the image's aspect shrinks it. Only valid while ``rcParams`` equal ``rc``."""
+
+    _cached: PyplotDefaults | None = None
+
+    def __init__(self) -> None:
+        import matplotlib
+        from matplotlib.figure import Figure
+
+        self.rc = dict(matplotlib.rcParams)
+        fig = Figure()  # as pyplot makes one, without its registry
+        ax = fig.add_subplot()
+        self.position = ax.get_position(original=True).frozen()  # the subplot parameters
+        self.facecolor = fig.patch.get_facecolor()
+        self.figsize, self.dpi = tuple(float(v) for v in fig.get_size_inches()), float(fig.dpi)
+        self.anchor = ax.get_anchor()
+        # What the deferred path reproduces: an opaque, borderless figure whose imshow keeps the
+        # image's aspect by shrinking the Axes box (anything else is left to matplotlib).
+        patch = fig.patch
+        self.usable = (self.rc["image.aspect"] == "equal" and ax.get_adjustable() == "box"
+                       and patch.get_visible() and patch.get_linewidth() == 0
+                       and self.facecolor[3] == 1 and not self.rc["figure.hooks"]
+                       and fig.get_layout_engine() is None)
+
+    @classmethod
+    def get(cls) -> PyplotDefaults:
+        if cls._cached is None:
+            cls._cached = cls()
+        return cls._cached
+
+    def hold(self) -> bool:
+        """Whether matplotlib's settings are still the ones these defaults were read under."""
+        import matplotlib
+
+        return self.usable and matplotlib.rcParams == self.rc
+
+
+class _Record:
+    """The pyplot calls deferred for one figure, and whether that figure was shown or closed
+    since (then replaying it makes the figure and closes it again)."""
+
+    __slots__ = ("calls", "closed")
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple, dict, _Deferred | None]] = []
+        self.closed = False
+
+
+class _Deferred:
+    """What a deferred pyplot call returned: the real object, made on first use."""
+
+    __slots__ = ("_pyplot", "_real", "_record")
+
+    def __init__(self, pyplot: DeferredPyplot, record: _Record) -> None:
+        object.__setattr__(self, "_pyplot", pyplot)
+        object.__setattr__(self, "_record", record)
+        object.__setattr__(self, "_real", None)
+
+    def _resolve(self):
+        if self._real is None:
+            self._pyplot.replay(self._record)
+        return self._real
+
+    def __getattr__(self, name: str):
+        return getattr(self._resolve(), name)
+
+    def __setattr__(self, name: str, value) -> None:
+        setattr(self._resolve(), name, value)
+
+    def __eq__(self, other) -> bool:
+        return self._resolve() == resolve(other)
+
+    def __hash__(self) -> int:
+        return hash(self._resolve())
+
+    def __repr__(self) -> str:
+        return repr(self._resolve())
+
+    def __dir__(self):
+        return dir(self._resolve())
+
+
+def resolve(obj):
+    """``obj``, or the real object a deferred pyplot call stands for."""
+    return obj._resolve() if type(obj) is _Deferred else obj
+
+
+class DeferredPyplot:
+    """``plt.figure(figsize=...)``, ``plt.imshow(image)``, ``plt.axis("off")``, ``plt.show()``
+    without building matplotlib's figure: the calls are recorded, and ``show`` composes the
+    picture with PIL at the context size, as ``Runtime._compose`` does for such a figure built by
+    matplotlib (the Axes box from matplotlib's own ``Bbox`` arithmetic on the default subplot
+    position). Building the figure and its Axes is most of such a call's time.
+
+    Only exactly that sequence is deferred, and only under matplotlib's default settings, with no
+    other figure open, for an RGB image (a PIL image or a uint8 array, copied as ``imshow``
+    copies it) and no other arguments. Anything else first replays the recorded calls on the
+    real pyplot and then runs as it would have: every pyplot function that reaches the current
+    figure goes through ``gcf``/``gca``/``gci`` or the registry functions wrapped here, and the
+    objects the deferred calls returned become the real ones on first use (a figure shown or
+    closed since is made and closed again). Calls pyplot makes internally are never deferred."""
+
+    # Pyplot's functions that reach the current figure or the figure registry without going
+    # through ``gcf``/``gca``, or that make figures of their own (kept from returning deferred
+    # ones).
+    WRAPPED = ("gcf", "gca", "gci", "get_fignums", "fignum_exists", "get_figlabels", "subplots",
+               "subplot_mosaic", "subplot", "subplot2grid", "axes")
+
+    def __init__(self, plt, runtime: Runtime) -> None:
+        self.plt = plt
+        self.runtime = runtime
+        self.enabled = True  # False: every call goes to matplotlib at once (tests, benchmarks)
+        self.record: _Record | None = None
+        self.figsize: tuple[float, float] | None = None
+        self.dpi: float | None = None
+        self.pixels = None
+        self.axis_off = False
+        self._depth = 0  # > 0 inside a real pyplot call: nothing is deferred or replayed there
+        from matplotlib._pylab_helpers import Gcf
+
+        self._open_figures = Gcf.figs
+        self.orig = {name: getattr(plt, name)
+                     for name in ("figure", "imshow", "axis", "close", *self.WRAPPED)}
+        for name in self.WRAPPED:
+            setattr(plt, name, self._passthrough(self.orig[name]))
+        plt.figure, plt.imshow, plt.axis, plt.close = self.figure, self.imshow, self.axis, self.close
+
+    @property
+    def pending(self) -> bool:
+        return self.record is not None
+
+    def _call(self, fn, args, kwargs):
+        self._depth += 1
+        try:
+            return fn(*[resolve(a) for a in args], **{k: resolve(v) for k, v in kwargs.items()})
+        finally:
+            self._depth -= 1
+
+    def _passthrough(self, fn):
+        def wrapper(*args, **kwargs):
+            if not self._depth:
+                self.materialize()
+            return self._call(fn, args, kwargs)
+
+        wrapper.__name__, wrapper.__doc__, wrapper.__wrapped__ = fn.__name__, fn.__doc__, fn
+        return wrapper
+
+    def _may_defer(self) -> bool:
+        return (self.enabled and self.runtime.compose_single_images and not self._depth
+                and not self._open_figures and PyplotDefaults.get().hold())
+
+    def _defer(self, name: str, args: tuple, kwargs: dict, returns: bool):
+        if self.record is None:
+            self.record = _Record()
+        proxy = _Deferred(self, self.record) if returns else None
+        self.record.calls.append((name, args, kwargs, proxy))
+        return proxy
+
+    def _names(self) -> list[str]:
+        return [c[0] for c in self.record.calls] if self.record else []
+
+    def figure(self, *args, **kwargs):
+        if not self._depth and not self.pending and not args \
+                and set(kwargs) <= {"figsize", "dpi"} and self._may_defer():
+            defaults = PyplotDefaults.get()
+            figsize, dpi = kwargs.get("figsize"), kwargs.get("dpi")
+            size = defaults.figsize if figsize is None else _positive_numbers(figsize, 2)
+            dots = (defaults.dpi,) if dpi is None else _positive_numbers([dpi], 1)
+            if size is not None and dots is not None:
+                self.figsize, self.dpi = size, dots[0]
+                return self._defer("figure", (), dict(kwargs), True)
+        if not self._depth:
+            self.materialize()
+        return self._call(self.orig["figure"], args, kwargs)
+
+    def imshow(self, X, *args, **kwargs):
+        if not self._depth and not args and not kwargs and self._names() in ([], ["figure"]) \
+                and self._may_defer():
+            pixels = self._rgb(X)
+            if pixels is not None:
+                if not self.pending:
+                    defaults = PyplotDefaults.get()
+                    self.figsize, self.dpi = defaults.figsize, defaults.dpi
+                self.pixels = pixels
+                return self._defer("imshow", (pixels,), {}, True)
+        if not self._depth:
+            self.materialize()
+        return self._call(self.orig["imshow"], (X, *args), kwargs)
+
+    def axis(self, *args, **kwargs):
+        off = len(args) == 1 and (args[0] is False or (isinstance(args[0], str) and args[0] == "off"))
+        if off and not self._depth and not kwargs and self._names()[-1:] == ["imshow"] \
+                and self._may_defer():
+            import numpy as np
+
+            self.axis_off = True
+            self._defer("axis", args, {}, False)
+            h, w = self.pixels.shape[:2]
+            return tuple(np.float64(v) for v in (-0.5, w - 0.5, h - 0.5, -0.5))
+        if not self._depth:
+            self.materialize()
+        return self._call(self.orig["axis"], args, kwargs)
+
+    def close(self, fig=None):
+        """``plt.close``: closing the recorded figure (``None``, ``"all"`` or its own object)
+        forgets it without making it."""
+        if not self._depth and self.pending and (
+                fig is None or (isinstance(fig, str) and fig == "all")
+                or (type(fig) is _Deferred and fig._record is self.record)):
+            self.discard()
+            if fig is None or type(fig) is _Deferred:
+                return None
+        elif not self._depth:
+            self.materialize()
+        return self._call(self.orig["close"], (fig,), {})
+
+    def _rgb(self, X):
+        """A copy of ``X``'s pixels when it is an RGB image (what ``imshow`` would keep)."""
+        import numpy as np
+
+        if isinstance(X, self.runtime.Image.Image):
+            return np.asarray(X) if X.mode == "RGB" and min(X.size) >= 1 else None
+        if type(X) is np.ndarray and X.dtype == np.uint8 and X.ndim == 3 and X.shape[2] == 3 \
+                and min(X.shape[:2]) >= 1:
+            return X.copy()
+        return None
+
+    def complete(self) -> bool:
+        """Whether the recorded calls are a whole bare one-image figure, ready to compose."""
+        return self.axis_off and self.pixels is not None and PyplotDefaults.get().hold()
+
+    def box(self, shape: tuple[int, int]):
+        """The recorded image's Axes box in figure fractions, as ``Axes.apply_aspect`` places
+        it (the same ``Bbox`` methods on the same numbers)."""
+        defaults = PyplotDefaults.get()
+        (fw, fh), dpi = self.figsize, self.dpi
+        fig_aspect = (fh * dpi) / (fw * dpi)
+        h, w = shape
+        xsize = max(abs((w - 0.5) - (-0.5)), 1e-30)
+        ysize = max(abs((h - 0.5) - (-0.5)), 1e-30)
+        pb = defaults.position.frozen()
+        shrunk = pb.shrunk_to_aspect(1.0 * (ysize / xsize), pb, fig_aspect)
+        return shrunk.anchored(defaults.anchor, pb).extents
+
+    def _take(self) -> _Record | None:
+        record, self.record = self.record, None
+        self.figsize = self.dpi = self.pixels = None
+        self.axis_off = False
+        return record
+
+    def discard(self) -> None:
+        """The recorded figure was shown (or closed): forget it; its objects, used later, are
+        made as they would be then (closed)."""
+        record = self._take()
+        if record is not None:
+            record.closed = True
+
+    def materialize(self) -> None:
+        """Make the recorded calls on the real pyplot now."""
+        record = self._take()
+        if record is not None:
+            self.replay(record)
+
+    def replay(self, record: _Record) -> None:
+        """Make ``record``'s calls on the real pyplot, under the settings they were made with,
+        on a figure of their own (none was open when they were recorded)."""
+        import matplotlib
+
+        if record is self.record:
+            self._take()
+        if not record.calls:
+            return
+        calls, record.calls = record.calls, []
+        defaults = PyplotDefaults.get()
+        rc = contextlib.nullcontext() if defaults.hold() else matplotlib.rc_context(
+            {k: v for k, v in defaults.rc.items() if k != "backend"})
+        with rc:
+            if calls[0][0] != "figure":
+                fig = self._call(self.orig["figure"], (), {})
+            for name, args, kwargs, proxy in calls:
+                real = self._call(self.orig[name], args, kwargs)
+                if name == "figure":
+                    fig = real
+                if proxy is not None:
+                    object.__setattr__(proxy, "_real", real)
+            if record.closed:
+                self._call(self.orig["close"], (fig,), {})
+
+
+def _positive_numbers(values, n: int) -> tuple[float, ...] | None:
+    """``values`` as ``n`` finite positive floats, or None."""
+    import math
+    import numbers
+
+    try:
+        if len(values) != n or not all(isinstance(v, numbers.Real) and not isinstance(v, bool)
+                                       for v in values):
+            return None
+    except TypeError:
+        return None
+    out = tuple(float(v) for v in values)
+    return out if all(math.isfinite(v) and v > 0 for v in out) else None
 
 
 class Runtime:
@@ -466,6 +773,7 @@ class Runtime:
 
         self.plt.show = _plt_show
         self.Image.Image.show = _pil_show
+        self.pyplot = DeferredPyplot(self.plt, self)
 
     def _check_aspect(self, w: float, h: float) -> None:
         if min(w, h) <= 0 or max(w, h) / min(w, h) >= self.MAX_ASPECT:
@@ -532,16 +840,51 @@ class Runtime:
                              self.Image.Resampling.BILINEAR, reducing_gap=2.0)
         self._keep(self._to_context(img))
 
+    def _figure_sizes(self, w: float, h: float, dpi: float):
+        """For a ``w`` x ``h`` pixel figure at ``dpi``: the dpi it is shown at (within the shown-
+        pixel limit), its size in the context (None when unknown) and its canvas size then."""
+        shown_dpi = dpi * self._fit(w, h, "figure")
+        size = self._context_size(w * shown_dpi / dpi, h * shown_dpi / dpi)
+        return shown_dpi, size, (int(w * shown_dpi / dpi), int(h * shown_dpi / dpi))
+
+    def add_deferred(self) -> bool:
+        """Show the one-image figure ``DeferredPyplot`` recorded, composed without matplotlib;
+        False (nothing shown, the record kept) when it cannot be composed."""
+        import numpy as np
+
+        pyplot = self.pyplot
+        (fw, fh), dpi, pixels = pyplot.figsize, pyplot.dpi, pyplot.pixels
+        w, h = np.array([fw, fh]) * dpi  # as ``fig.get_size_inches() * fig.dpi``
+        try:
+            self._check_aspect(w, h)
+        except ValueError:
+            pyplot.discard()
+            raise
+        if not self._room():
+            pyplot.discard()
+            return True
+        _, size, canvas_size = self._figure_sizes(w, h, dpi)
+        defaults = PyplotDefaults.get()
+        try:
+            picture = self._paint(pixels, pyplot.box(pixels.shape[:2]),
+                                  defaults.rc["image.interpolation"], defaults.facecolor,
+                                  canvas_size, size or canvas_size)
+        except Exception:  # noqa: BLE001 - an unforeseen case is drawn by matplotlib instead
+            picture = None
+        if picture is None:
+            return False
+        pyplot.discard()
+        self._keep(picture)
+        return True
+
     def add_figure(self, fig) -> None:
         try:
             w, h = fig.get_size_inches() * fig.dpi
             self._check_aspect(w, h)
             if not self._room():
                 return
-            dpi = fig.dpi * self._fit(w, h, "figure")
-            size = self._context_size(w * dpi / fig.dpi, h * dpi / fig.dpi)
+            dpi, size, canvas_size = self._figure_sizes(w, h, fig.dpi)
             if self.compose_single_images:
-                canvas_size = (int(w * dpi / fig.dpi), int(h * dpi / fig.dpi))
                 composed = self._single_image(fig, canvas_size, size or canvas_size)
                 if composed is not None:
                     self._keep(composed)
@@ -621,10 +964,20 @@ class Runtime:
         pixels = self._rgb_pixels(im)
         if pixels is None:
             return None
+        # The Axes box in figure fractions, after the aspect.
+        return self._paint(pixels, ax.get_position().extents, im.get_interpolation(),
+                           (r, g, b), canvas_size, size)
+
+    def _paint(self, pixels, extents, interp: str, facecolor, canvas_size: tuple[int, int],
+               size: tuple[int, int]):
+        """The figure at ``size``: its background, and ``pixels`` resampled into the Axes box
+        ``extents`` (figure fractions) with the PIL filter of matplotlib's ``interp``; None when
+        no PIL filter reproduces it."""
+        import numpy as np
+
         ih, iw = pixels.shape[:2]
-        x0, y0, x1, y1 = ax.get_position().extents  # figure fraction, after the aspect
+        x0, y0, x1, y1 = extents
         # Matplotlib's choice for "auto"/"antialiased", at the size it would draw the figure.
-        interp = im.get_interpolation()
         if interp in ("auto", "antialiased"):
             dx, dy = (x1 - x0) * canvas_size[0], (y1 - y0) * canvas_size[1]
             near_x = dx > 3 * iw or np.isclose(dx, iw) or np.isclose(dx, 2 * iw)
@@ -644,6 +997,7 @@ class Runtime:
             src = src.resize(box, getattr(Image.Resampling, PIL_FILTERS[interp]))
         if box == (W, H):
             return src
+        r, g, b = facecolor[:3]
         out = Image.new("RGB", (W, H), (round(r * 255), round(g * 255), round(b * 255)))
         out.paste(src, (bx0, by0))
         return out
@@ -684,11 +1038,14 @@ class Runtime:
         return np.ascontiguousarray(rgba)
 
     def capture_figures(self) -> None:
+        if self.pyplot.complete() and not self.add_deferred():
+            self.pyplot.materialize()  # then drawn below, as matplotlib's figure
         for num in self.plt.get_fignums():
             self.add_figure(self.plt.figure(num))
 
     def display(self, obj) -> None:
         """Show a PIL image, a numpy array or a matplotlib figure to the model."""
+        obj = resolve(obj)
         if isinstance(obj, self.Image.Image):
             self.add_pil(obj)
         elif hasattr(obj, "savefig"):
@@ -713,7 +1070,7 @@ class Runtime:
             compiled = compile(code, "<code>", "exec")
             exec(compiled, self.globals)  # noqa: S102 - running the model's code is the point
             # Figures drawn but never shown are closed, not leaked into the next call.
-            if self._open_figures:
+            if self._open_figures or self.pyplot.pending:
                 self.plt.close("all")
         except MemoryError:
             status, error = "oom", "MemoryError: the code exceeded the sandbox's memory limit"

@@ -12,6 +12,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from PIL import Image
 
@@ -312,6 +313,97 @@ def test_figures_with_more_than_one_bare_image_are_drawn_by_matplotlib(context_s
 
     composed, drawn = _shown_both_ways(context_sbx, MATPLOTLIB_FIGURES[name])
     assert np.array_equal(composed, drawn)
+
+
+# ``plt.figure(figsize=...)``, ``plt.imshow(rgb)``, ``plt.axis("off")``, ``plt.show()`` is
+# recorded and composed without building matplotlib's figure (``DeferredPyplot``): it must show
+# exactly what composing matplotlib's figure shows, and anything else must behave as matplotlib.
+DEFERRED_FIGURES = {
+    "crop and zoom, PIL": ("crop = Image.fromarray(smooth).crop((100, 100, 356, 356)).resize((768, 768))\n"
+                           "plt.figure(figsize=(4, 4))\nplt.imshow(crop)\nplt.axis('off')\n"),
+    "default figure, array": "plt.imshow(smooth); plt.axis('off')\n",
+    "wide figure, tall image": ("plt.figure(figsize=(9, 3), dpi=80); plt.imshow(smooth[:, :90]);"
+                                " plt.axis(False)\n"),
+    "tall figure, wide image": ("plt.figure(figsize=(2.5, 7.5)); plt.imshow(smooth[:40]);"
+                                " plt.axis('off')\n"),
+    "upsampled (nearest)": "plt.figure(dpi=150); plt.imshow(smooth[:12, :16]); plt.axis('off')\n",
+    "integer figsize and dpi": ("plt.figure(figsize=[5, 4], dpi=np.int64(72)); plt.imshow(smooth[3:301, 7:500]);"
+                                " plt.axis('off')\n"),
+    "too big to show whole": "plt.figure(figsize=(80, 60)); plt.imshow(smooth); plt.axis('off')\n",
+}
+
+
+def _shown_deferred_and_not(sbx, code: str):
+    """What ``code`` prints and shows with the pyplot calls deferred, and without."""
+    out = []
+    for defer in (True, False):
+        result = sbx.run(f"runtime.pyplot.enabled = {defer}\n{code}")
+        out.append((result.status, result.stdout, result.stderr,
+                    [np.asarray(f) for f in result.frames]))
+    _ok(sbx.run("runtime.pyplot.enabled = True\nplt.close('all')"))
+    return out
+
+
+@pytest.mark.parametrize("name", list(DEFERRED_FIGURES))
+def test_a_deferred_figure_shows_exactly_what_its_matplotlib_figure_composes(context_sbx, name):
+    code = DEFERRED_FIGURES[name] + "print(runtime.pyplot.complete())\nplt.show()"
+    deferred, built = _shown_deferred_and_not(context_sbx, code)
+    assert deferred[0] == built[0] == "ok", (deferred[2], built[2])
+    assert deferred[1].splitlines()[0] == "True" and built[1].splitlines()[0] == "False"
+    assert deferred[1].splitlines()[1:] == built[1].splitlines()[1:]  # e.g. the downscale note
+    assert len(deferred[3]) == len(built[3]) == 1
+    assert deferred[3][0].shape == built[3][0].shape
+    assert np.array_equal(deferred[3][0], built[3][0])
+
+
+DEFERRAL_BROKEN_OFF = {
+    "title after": "plt.title('crop'); plt.show()",
+    "tight layout": "plt.tight_layout(); plt.show()",
+    "the figure used": "fig.patch.set_facecolor('black'); print(fig.number); plt.show()",
+    "the image used": "im.set_cmap('gray'); im.set_interpolation('nearest'); plt.show()",
+    "colorbar": "plt.colorbar(im); plt.show()",
+    "settings changed before show": "plt.rcParams['figure.facecolor'] = 'red'; plt.show()",
+    "saved, then shown": ("buf = io.BytesIO(); plt.savefig(buf, format='png'); "
+                          "print(len(buf.getvalue()) > 1000, plt.get_fignums()); plt.show()"),
+    "shown, then the figure used": ("plt.show(); buf = io.BytesIO(); fig.savefig(buf, format='png');"
+                                    " print(len(buf.getvalue()) > 1000, plt.get_fignums(), fig.number)"),
+    "closed, then the image used": "plt.close(); print(im.get_size(), plt.get_fignums())",
+    "closed by object, then shown": "plt.close(fig); plt.show(); print(plt.get_fignums())",
+    "a second figure": ("plt.figure(figsize=(2, 2)); plt.imshow(smooth[:50, :50]); plt.axis('off');"
+                        " print(plt.get_fignums()); plt.show()"),
+    "display(fig)": "display(fig)",
+    "subplots after": ("f2, ax2 = plt.subplots(); ax2.imshow(smooth); print(type(f2).__name__,"
+                       " plt.get_fignums()); plt.show()"),
+    "an error midway": "raise ValueError('model bug')",
+    "gcf and gca": ("print(plt.gcf().number == fig.number, plt.gca().get_images()[0].get_size());"
+                    " plt.show()"),
+}
+
+
+@pytest.mark.parametrize("name", list(DEFERRAL_BROKEN_OFF))
+def test_anything_else_after_deferred_calls_behaves_as_matplotlib(context_sbx, name):
+    code = ("fig = plt.figure(figsize=(4, 3))\nim = plt.imshow(smooth[:300, :400])\n"
+            "print(plt.axis('off'))\n" + DEFERRAL_BROKEN_OFF[name] + "\nplt.rcdefaults()")
+    deferred, built = _shown_deferred_and_not(context_sbx, code)
+    assert deferred[:3] == built[:3], (deferred[:3], built[:3])
+    assert len(deferred[3]) == len(built[3])
+    for a, b in zip(deferred[3], built[3], strict=True):
+        assert np.array_equal(a, b)
+    # Nothing of it is left behind for the next call.
+    assert _ok(context_sbx.run("print(plt.get_fignums(), runtime.pyplot.pending)")).split() == [
+        "[]", "False"]
+
+
+def test_deferred_calls_copy_the_image_as_imshow_does(context_sbx):
+    """The image is taken when ``imshow`` is called: changing it before ``show`` changes nothing."""
+    code = ("a = smooth[:200, :200].copy(); p = Image.fromarray(a)\nplt.imshow(a); plt.axis('off')\n"
+            "a[:] = 0\nplt.show()\nplt.imshow(p); plt.axis('off')\np.paste((0, 0, 0), (0, 0, 200, 200))\n"
+            "plt.show()")
+    deferred, built = _shown_deferred_and_not(context_sbx, code)
+    assert deferred[0] == "ok" and len(deferred[3]) == len(built[3]) == 2
+    for a, b in zip(deferred[3], built[3], strict=True):
+        assert np.array_equal(a, b)
+        assert a.std() > 10  # the picture, not the blanked array
 
 
 def test_a_full_bleed_image_at_context_size_arrives_pixel_for_pixel(context_sbx):
