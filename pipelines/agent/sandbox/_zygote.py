@@ -448,7 +448,7 @@ class PyplotDefaults:
         import matplotlib
         from matplotlib.figure import Figure
 
-        self.rc = dict(matplotlib.rcParams)
+        self.rc = _raw_settings(matplotlib.rcParams)
         fig = Figure()  # as pyplot makes one, without its registry
         ax = fig.add_subplot()
         self.position = ax.get_position(original=True).frozen()  # the subplot parameters
@@ -473,7 +473,14 @@ class PyplotDefaults:
         """Whether matplotlib's settings are still the ones these defaults were read under."""
         import matplotlib
 
-        return self.usable and matplotlib.rcParams == self.rc
+        rc = matplotlib.rcParams  # a dict subclass: compared as one, not key by key in Python
+        return self.usable and (dict.__eq__(rc, self.rc) if isinstance(rc, dict)
+                                else dict(rc) == self.rc)
+
+
+def _raw_settings(rc) -> dict:
+    """A copy of matplotlib's ``rcParams`` as stored (no validation or lookup on the way)."""
+    return dict(dict.items(rc)) if isinstance(rc, dict) else dict(rc)
 
 
 class _Record:
@@ -554,7 +561,7 @@ class DeferredPyplot:
         self.record: _Record | None = None
         self.figsize: tuple[float, float] | None = None
         self.dpi: float | None = None
-        self.pixels = None
+        self.pixels = self.shape = None
         self.axis_off = False
         self._depth = 0  # > 0 inside a real pyplot call: nothing is deferred or replayed there
         from matplotlib._pylab_helpers import Gcf
@@ -623,6 +630,7 @@ class DeferredPyplot:
                     defaults = PyplotDefaults.get()
                     self.figsize, self.dpi = defaults.figsize, defaults.dpi
                 self.pixels = pixels
+                self.shape = pixels.shape[:2] if hasattr(pixels, "shape") else pixels.size[::-1]
                 return self._defer("imshow", (pixels,), {}, True)
         if not self._depth:
             self.materialize()
@@ -636,7 +644,7 @@ class DeferredPyplot:
 
             self.axis_off = True
             self._defer("axis", args, {}, False)
-            h, w = self.pixels.shape[:2]
+            h, w = self.shape
             return tuple(np.float64(v) for v in (-0.5, w - 0.5, h - 0.5, -0.5))
         if not self._depth:
             self.materialize()
@@ -656,11 +664,12 @@ class DeferredPyplot:
         return self._call(self.orig["close"], (fig,), {})
 
     def _rgb(self, X):
-        """A copy of ``X``'s pixels when it is an RGB image (what ``imshow`` would keep)."""
+        """A copy of ``X`` when it is an RGB image (``imshow`` keeps a copy too): an array, or
+        a PIL image (copied as one, not converted)."""
         import numpy as np
 
         if isinstance(X, self.runtime.Image.Image):
-            return np.asarray(X) if X.mode == "RGB" and min(X.size) >= 1 else None
+            return X.copy() if X.mode == "RGB" and min(X.size) >= 1 else None
         if type(X) is np.ndarray and X.dtype == np.uint8 and X.ndim == 3 and X.shape[2] == 3 \
                 and min(X.shape[:2]) >= 1:
             return X.copy()
@@ -685,7 +694,7 @@ class DeferredPyplot:
 
     def _take(self) -> _Record | None:
         record, self.record = self.record, None
-        self.figsize = self.dpi = self.pixels = None
+        self.figsize = self.dpi = self.pixels = self.shape = None
         self.axis_off = False
         return record
 
@@ -866,7 +875,7 @@ class Runtime:
         _, size, canvas_size = self._figure_sizes(w, h, dpi)
         defaults = PyplotDefaults.get()
         try:
-            picture = self._paint(pixels, pyplot.box(pixels.shape[:2]),
+            picture = self._paint(pixels, pyplot.box(pyplot.shape),
                                   defaults.rc["image.interpolation"], defaults.facecolor,
                                   canvas_size, size or canvas_size)
         except Exception:  # noqa: BLE001 - an unforeseen case is drawn by matplotlib instead
@@ -970,12 +979,14 @@ class Runtime:
 
     def _paint(self, pixels, extents, interp: str, facecolor, canvas_size: tuple[int, int],
                size: tuple[int, int]):
-        """The figure at ``size``: its background, and ``pixels`` resampled into the Axes box
-        ``extents`` (figure fractions) with the PIL filter of matplotlib's ``interp``; None when
-        no PIL filter reproduces it."""
+        """The figure at ``size``: its background, and ``pixels`` (an RGB array or PIL image)
+        resampled into the Axes box ``extents`` (figure fractions) with the PIL filter of
+        matplotlib's ``interp``; None when no PIL filter reproduces it."""
         import numpy as np
 
-        ih, iw = pixels.shape[:2]
+        Image = self.Image
+        src = pixels if isinstance(pixels, Image.Image) else Image.fromarray(pixels)
+        iw, ih = src.size
         x0, y0, x1, y1 = extents
         # Matplotlib's choice for "auto"/"antialiased", at the size it would draw the figure.
         if interp in ("auto", "antialiased"):
@@ -990,8 +1001,6 @@ class Runtime:
         by0, by1 = int(np.floor((1 - y1) * H + 0.5)), int(np.floor((1 - y0) * H + 0.5))
         if bx1 <= bx0 or by1 <= by0:
             return None
-        Image = self.Image
-        src = Image.fromarray(pixels)
         box = (bx1 - bx0, by1 - by0)
         if box != src.size:
             src = src.resize(box, getattr(Image.Resampling, PIL_FILTERS[interp]))
