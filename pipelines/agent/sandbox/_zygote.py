@@ -655,7 +655,8 @@ class DeferredPyplot:
         forgets it without making it."""
         if not self._depth and self.pending and (
                 fig is None or (isinstance(fig, str) and fig == "all")
-                or (type(fig) is _Deferred and fig._record is self.record)):
+                or (type(fig) is _Deferred and fig is self.record.calls[0][3]
+                    and self.record.calls[0][0] == "figure")):
             self.discard()
             if fig is None or type(fig) is _Deferred:
                 return None

@@ -369,6 +369,7 @@ DEFERRAL_BROKEN_OFF = {
                                     " print(len(buf.getvalue()) > 1000, plt.get_fignums(), fig.number)"),
     "closed, then the image used": "plt.close(); print(im.get_size(), plt.get_fignums())",
     "closed by object, then shown": "plt.close(fig); plt.show(); print(plt.get_fignums())",
+    "closing the image (an error)": "plt.close(im)",
     "a second figure": ("plt.figure(figsize=(2, 2)); plt.imshow(smooth[:50, :50]); plt.axis('off');"
                         " print(plt.get_fignums()); plt.show()"),
     "display(fig)": "display(fig)",
