@@ -509,6 +509,10 @@ class _Deferred:
             self._pyplot.replay(self._record)
         return self._real
 
+    @property
+    def __class__(self):  # isinstance(fig, Figure) holds, as for the real object
+        return type(self._resolve())
+
     def __getattr__(self, name: str):
         return getattr(self._resolve(), name)
 
@@ -653,10 +657,13 @@ class DeferredPyplot:
     def close(self, fig=None):
         """``plt.close``: closing the recorded figure (``None``, ``"all"`` or its own object)
         forgets it without making it."""
-        if not self._depth and self.pending and (
-                fig is None or (isinstance(fig, str) and fig == "all")
-                or (type(fig) is _Deferred and fig is self.record.calls[0][3]
-                    and self.record.calls[0][0] == "figure")):
+        if self._depth or not self.pending:
+            mine = False
+        elif type(fig) is _Deferred:  # (isinstance would make it real)
+            mine = fig is self.record.calls[0][3] and self.record.calls[0][0] == "figure"
+        else:
+            mine = fig is None or (isinstance(fig, str) and fig == "all")
+        if mine:
             self.discard()
             if fig is None or type(fig) is _Deferred:
                 return None

@@ -360,6 +360,9 @@ DEFERRAL_BROKEN_OFF = {
     "title after": "plt.title('crop'); plt.show()",
     "tight layout": "plt.tight_layout(); plt.show()",
     "the figure used": "fig.patch.set_facecolor('black'); print(fig.number); plt.show()",
+    "isinstance": ("import matplotlib.figure, matplotlib.image\nprint(isinstance(fig, "
+                   "matplotlib.figure.Figure), isinstance(im, matplotlib.image.AxesImage))\n"
+                   "plt.show()"),
     "the image used": "im.set_cmap('gray'); im.set_interpolation('nearest'); plt.show()",
     "colorbar": "plt.colorbar(im); plt.show()",
     "settings changed before show": "plt.rcParams['figure.facecolor'] = 'red'; plt.show()",
