@@ -484,14 +484,18 @@ def _raw_settings(rc) -> dict:
 
 
 class _Record:
-    """The pyplot calls deferred for one figure, and whether that figure was shown or closed
+    """The pyplot calls deferred for one figure, what they set (its size and dpi, the image
+    and its ``(h, w)``, whether the axis is off), and whether that figure was shown or closed
     since (then replaying it makes the figure and closes it again)."""
 
-    __slots__ = ("calls", "closed")
+    __slots__ = ("axis_off", "calls", "closed", "dpi", "figsize", "pixels", "shape")
 
-    def __init__(self) -> None:
+    def __init__(self, figsize: tuple[float, float], dpi: float) -> None:
         self.calls: list[tuple[str, tuple, dict, _Deferred | None]] = []
         self.closed = False
+        self.figsize, self.dpi = figsize, dpi
+        self.pixels = self.shape = None
+        self.axis_off = False
 
 
 class _Deferred:
@@ -562,15 +566,8 @@ class DeferredPyplot:
         self.plt = plt
         self.runtime = runtime
         self.enabled = True  # False: every call goes to matplotlib at once (tests, benchmarks)
-        self.record: _Record | None = None
-        self.figsize: tuple[float, float] | None = None
-        self.dpi: float | None = None
-        self.pixels = self.shape = None
-        self.axis_off = False
+        self.record: _Record | None = None  # the figure being recorded
         self._depth = 0  # > 0 inside a real pyplot call: nothing is deferred or replayed there
-        from matplotlib._pylab_helpers import Gcf
-
-        self._open_figures = Gcf.figs
         self.orig = {name: getattr(plt, name)
                      for name in ("figure", "imshow", "axis", "close", *self.WRAPPED)}
         for name in self.WRAPPED:
@@ -599,11 +596,9 @@ class DeferredPyplot:
 
     def _may_defer(self) -> bool:
         return (self.enabled and self.runtime.compose_single_images and not self._depth
-                and not self._open_figures and PyplotDefaults.get().hold())
+                and not self.runtime._open_figures and PyplotDefaults.get().hold())
 
     def _defer(self, name: str, args: tuple, kwargs: dict, returns: bool):
-        if self.record is None:
-            self.record = _Record()
         proxy = _Deferred(self, self.record) if returns else None
         self.record.calls.append((name, args, kwargs, proxy))
         return proxy
@@ -619,7 +614,7 @@ class DeferredPyplot:
             size = defaults.figsize if figsize is None else _positive_numbers(figsize, 2)
             dots = (defaults.dpi,) if dpi is None else _positive_numbers([dpi], 1)
             if size is not None and dots is not None:
-                self.figsize, self.dpi = size, dots[0]
+                self.record = _Record(size, dots[0])
                 return self._defer("figure", (), dict(kwargs), True)
         if not self._depth:
             self.materialize()
@@ -632,9 +627,10 @@ class DeferredPyplot:
             if pixels is not None:
                 if not self.pending:
                     defaults = PyplotDefaults.get()
-                    self.figsize, self.dpi = defaults.figsize, defaults.dpi
-                self.pixels = pixels
-                self.shape = pixels.shape[:2] if hasattr(pixels, "shape") else pixels.size[::-1]
+                    self.record = _Record(defaults.figsize, defaults.dpi)
+                self.record.pixels = pixels
+                self.record.shape = (pixels.shape[:2] if hasattr(pixels, "shape")
+                                     else pixels.size[::-1])
                 return self._defer("imshow", (pixels,), {}, True)
         if not self._depth:
             self.materialize()
@@ -646,9 +642,9 @@ class DeferredPyplot:
                 and self._may_defer():
             import numpy as np
 
-            self.axis_off = True
+            self.record.axis_off = True
             self._defer("axis", args, {}, False)
-            h, w = self.shape
+            h, w = self.record.shape
             return tuple(np.float64(v) for v in (-0.5, w - 0.5, h - 0.5, -0.5))
         if not self._depth:
             self.materialize()
@@ -685,15 +681,17 @@ class DeferredPyplot:
 
     def complete(self) -> bool:
         """Whether the recorded calls are a whole bare one-image figure, ready to compose."""
-        return self.axis_off and self.pixels is not None and PyplotDefaults.get().hold()
+        return (self.record is not None and self.record.axis_off
+                and PyplotDefaults.get().hold())
 
-    def box(self, shape: tuple[int, int]):
+    @staticmethod
+    def box(record: _Record):
         """The recorded image's Axes box in figure fractions, as ``Axes.apply_aspect`` places
         it (the same ``Bbox`` methods on the same numbers)."""
         defaults = PyplotDefaults.get()
-        (fw, fh), dpi = self.figsize, self.dpi
+        (fw, fh), dpi = record.figsize, record.dpi
         fig_aspect = (fh * dpi) / (fw * dpi)
-        h, w = shape
+        h, w = record.shape
         xsize = max(abs((w - 0.5) - (-0.5)), 1e-30)
         ysize = max(abs((h - 0.5) - (-0.5)), 1e-30)
         pb = defaults.position.frozen()
@@ -702,8 +700,6 @@ class DeferredPyplot:
 
     def _take(self) -> _Record | None:
         record, self.record = self.record, None
-        self.figsize = self.dpi = self.pixels = self.shape = None
-        self.axis_off = False
         return record
 
     def discard(self) -> None:
@@ -869,9 +865,9 @@ class Runtime:
         False (nothing shown, the record kept) when it cannot be composed."""
         import numpy as np
 
-        pyplot = self.pyplot
-        (fw, fh), dpi, pixels = pyplot.figsize, pyplot.dpi, pyplot.pixels
-        w, h = np.array([fw, fh]) * dpi  # as ``fig.get_size_inches() * fig.dpi``
+        pyplot, record = self.pyplot, self.pyplot.record
+        dpi = record.dpi
+        w, h = np.array(record.figsize) * dpi  # as ``fig.get_size_inches() * fig.dpi``
         try:
             self._check_aspect(w, h)
         except ValueError:
@@ -883,7 +879,7 @@ class Runtime:
         _, size, canvas_size = self._figure_sizes(w, h, dpi)
         defaults = PyplotDefaults.get()
         try:
-            picture = self._paint(pixels, pyplot.box(pyplot.shape),
+            picture = self._paint(record.pixels, pyplot.box(record),
                                   defaults.rc["image.interpolation"], defaults.facecolor,
                                   canvas_size, size or canvas_size)
         except Exception:  # noqa: BLE001 - an unforeseen case is drawn by matplotlib instead
