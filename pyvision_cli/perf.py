@@ -22,7 +22,9 @@ def perf_sandbox(
 
     Targets on a 2-core machine (medians): start <= 200 ms, `x = 1` overhead within 1.5 times
     that of an unisolated forked worker measured in the same run, crop-and-show <= 10 ms, an 8K
-    image's crop <= 30 ms, and 64 live sandboxes without running out of memory.
+    image's crop <= 30 ms, and 64 live sandboxes without running out of memory. Run it under
+    `taskset -c 0` to time the calls with both processes on one CPU (the JSON's `cpus`): on two,
+    where the scheduler wakes each process decides much of a call's time.
     """
     from pipelines.config.sandbox import SandboxConfig
     from pipelines.perf.sandbox import run_benchmark

@@ -38,6 +38,8 @@ CROP_8K = """crop = image_clue_0.crop((3328, 1648, 4352, 2672))
 crop.show()
 """
 SIZE_8K = (7680, 4320)
+# `x = 1` calls timed per sample of the other measurements.
+CALLS_PER_REPEAT = 20
 
 
 def unshown(code: str) -> str:
@@ -165,7 +167,9 @@ def run_benchmark(repeats: int = 30, n_concurrent: int = 64,
                 r = s.run("x = 1")
                 assert r.status == "ok", r.stderr
 
-            overhead, baseline = _interleaved(call, lambda: forked.run("x = 1"), repeats)
+            # A call is a fraction of a millisecond: many of them, so that the median is stable.
+            overhead, baseline = _interleaved(call, lambda: forked.run("x = 1"),
+                                              CALLS_PER_REPEAT * repeats)
             crop, crop_code, crop_size = _timed_show(s, CROP_SHOW, max(5, repeats // 3))
     finally:
         forked.close()
@@ -198,6 +202,9 @@ def run_benchmark(repeats: int = 30, n_concurrent: int = 64,
     over, floor = summary_ms(overhead), summary_ms(baseline)
     return {
         "isolation": isolation_mode(cfg),
+        # Two processes on one CPU take turns; on two the sandbox may be woken on the other
+        # one, which costs this machine more than the call (`taskset -c 0` pins both).
+        "cpus": len(os.sched_getaffinity(0)),
         "context_pixels": list(context["context_pixels"]),
         "zygote_start_s": round(zygote_s, 3),
         "start_ms": summary_ms(starts),

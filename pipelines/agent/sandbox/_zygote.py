@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import io
 import json
 import mmap
@@ -34,9 +35,11 @@ import socket
 import struct
 import sys
 import tempfile
+import termios
 import threading
 import time
 import traceback
+import weakref
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWUTS = 0x04000000
@@ -50,6 +53,9 @@ SYS_CAPSET = 126  # x86_64
 MAX_FRAME = 256 * 1024 * 1024
 # Frames above this size (media, pixels) are sent and received without intermediate copies.
 BIG_FRAME = 256 * 1024
+# A call's frame: this tag, then the code as UTF-8 (lone surrogates passed through), no JSON.
+RUN_TAG = b"R"
+LENGTH = struct.Struct(">I")  # a frame's length prefix
 
 libc = ctypes.CDLL(None, use_errno=True)
 
@@ -128,6 +134,15 @@ class FrameReader:
         return out
 
     def frame(self) -> bytes | bytearray:
+        if not self.buf:  # the usual request: one frame, whole in one read, taken as it came
+            chunk = self.sock.recv(65536)
+            if not chunk:
+                raise EOFError("peer closed")
+            if len(chunk) >= 4:
+                (n,) = LENGTH.unpack_from(chunk)
+                if len(chunk) == n + 4:
+                    return chunk[4:]
+            self.buf += chunk
         (n,) = struct.unpack(">I", self._take(4))
         if n > MAX_FRAME:
             raise ValueError("frame too large")
@@ -491,7 +506,9 @@ class _Record:
     __slots__ = ("axis_off", "calls", "closed", "dpi", "figsize", "pixels", "shape")
 
     def __init__(self, figsize: tuple[float, float], dpi: float) -> None:
-        self.calls: list[tuple[str, tuple, dict, _Deferred | None]] = []
+        # Each call's returned object, held weakly: a proxy holds its record, and a record that
+        # held its proxies would live (with its image) until the cyclic collector ran.
+        self.calls: list[tuple[str, tuple, dict, weakref.ref[_Deferred] | None]] = []
         self.closed = False
         self.figsize, self.dpi = figsize, dpi
         self.pixels = self.shape = None
@@ -501,7 +518,7 @@ class _Record:
 class _Deferred:
     """What a deferred pyplot call returned: the real object, made on first use."""
 
-    __slots__ = ("_pyplot", "_real", "_record")
+    __slots__ = ("__weakref__", "_pyplot", "_real", "_record")
 
     def __init__(self, pyplot: DeferredPyplot, record: _Record) -> None:
         object.__setattr__(self, "_pyplot", pyplot)
@@ -600,7 +617,8 @@ class DeferredPyplot:
 
     def _defer(self, name: str, args: tuple, kwargs: dict, returns: bool):
         proxy = _Deferred(self, self.record) if returns else None
-        self.record.calls.append((name, args, kwargs, proxy))
+        self.record.calls.append((name, args, kwargs,
+                                  weakref.ref(proxy) if proxy is not None else None))
         return proxy
 
     def _names(self) -> list[str]:
@@ -656,7 +674,8 @@ class DeferredPyplot:
         if self._depth or not self.pending:
             mine = False
         elif type(fig) is _Deferred:  # (isinstance would make it real)
-            mine = fig is self.record.calls[0][3] and self.record.calls[0][0] == "figure"
+            name, _, _, ref = self.record.calls[0]
+            mine = name == "figure" and ref is not None and ref() is fig
         else:
             mine = fig is None or (isinstance(fig, str) and fig == "all")
         if mine:
@@ -735,8 +754,8 @@ class DeferredPyplot:
                 real = self._call(self.orig[name], args, kwargs)
                 if name == "figure":
                     fig = real
-                if proxy is not None:
-                    object.__setattr__(proxy, "_real", real)
+                if proxy is not None and (alive := proxy()) is not None:
+                    object.__setattr__(alive, "_real", real)
             if record.closed:
                 self._call(self.orig["close"], (fig,), {})
 
@@ -1122,6 +1141,9 @@ class Runtime:
                 "images": self.images}
 
 
+_NO_BYTES = bytes(4)  # a C int 0, as FIONREAD fills it
+
+
 class _FdPumps:
     """Routes bytes written to fds 1 and 2 (C code, child processes) to the current call's sink.
 
@@ -1148,13 +1170,11 @@ class _FdPumps:
             self.sink = sink
 
     def _idle(self) -> bool:
-        """Nothing in the pipe and nothing held back by the reader."""
-        import fcntl
-        import termios
-
+        """Nothing in the pipe (FIONREAD leaves the zero int as it was) and nothing held back by
+        the reader."""
         with self.io_lock:
-            pending = struct.unpack("i", fcntl.ioctl(self.read_fd, termios.FIONREAD, b"\0" * 4))[0]
-            return pending == 0 and not self.carry
+            return fcntl.ioctl(self.read_fd, termios.FIONREAD, _NO_BYTES) == _NO_BYTES \
+                and not self.carry
 
     def drain(self, timeout_s: float = 1.0) -> None:
         if self.write_fd is None:
@@ -1273,12 +1293,12 @@ def worker_main(sock: socket.socket, limits: dict, preloaded: dict, mode: str,
     os.close(output_fd)
     while True:
         try:
-            msg = json.loads(frames.frame())
+            msg = frames.frame()
         except EOFError:
             os._exit(0)
-        if msg.get("type") != "run":
+        if msg[:1] != RUN_TAG:
             continue
-        result = runtime.run(msg["code"])
+        result = runtime.run(msg[1:].decode("utf-8", "surrogatepass"))
         images = result.pop("images")
         result["images"] = [spec for spec, _ in images]
         send_frame(sock, json.dumps(result).encode())

@@ -23,6 +23,8 @@ from typing import Any, Literal, Self
 
 from pipelines.agent.sandbox._zygote import (
     BIG_FRAME,
+    LENGTH,
+    RUN_TAG,
     output_buffer_size,
     read_in_place,
     render_output,
@@ -165,6 +167,20 @@ class _FrameReader:
         return out
 
     def frame(self, limit: int, deadline: float) -> bytes | bytearray:
+        if not self.buf:  # the usual reply: one frame, whole in one read, taken as it came
+            self._wait(deadline)
+            try:
+                chunk = self.sock.recv(65536)
+            except BlockingIOError:
+                chunk = b""
+            else:
+                if not chunk:
+                    raise EOFError
+            if len(chunk) >= 4:
+                (n,) = LENGTH.unpack_from(chunk)
+                if len(chunk) == n + 4 and n <= limit:
+                    return chunk[4:]
+            self.buf += chunk
         (n,) = struct.unpack(">I", self._take(4, deadline))
         if n > limit:
             raise ValueError(f"sandbox sent a {n}-byte frame (limit {limit})")
@@ -274,15 +290,17 @@ class Sandbox:
         start = time.monotonic()
         try:
             deadline = start + self.config.timeout_s
-            self._frames.send(json.dumps({"type": "run", "code": code}).encode(), deadline)
+            self._frames.send(RUN_TAG + code.encode("utf-8", "surrogatepass"), deadline)
             header = json.loads(self._frames.frame(MAX_HEADER_BYTES, deadline))
             if not isinstance(header, dict):
                 raise ValueError("bad reply")  # noqa: TRY004 - handled as a crash below
             specs = header.get("images", [])
             if not isinstance(specs, list) or len(specs) > self.config.max_images_per_call:
                 raise ValueError("bad image list")
-            sent_by = time.monotonic() + max(self.config.timeout_s, 30.0)
-            blobs = [self._frames.frame(MAX_IMAGE_BYTES, sent_by) for _ in specs]
+            blobs = []
+            if specs:  # (no deadline to compute for the calls that show nothing)
+                sent_by = time.monotonic() + max(self.config.timeout_s, 30.0)
+                blobs = [self._frames.frame(MAX_IMAGE_BYTES, sent_by) for _ in specs]
         except TimeoutError:
             self._kill()
             t = self.config.timeout_s

@@ -410,6 +410,30 @@ def test_deferred_calls_copy_the_image_as_imshow_does(context_sbx):
         assert a.std() > 10  # the picture, not the blanked array
 
 
+def test_a_shown_or_closed_deferred_figure_lets_go_of_its_image_at_once(context_sbx):
+    """The recorded calls hold what they returned weakly, so no reference cycle keeps a shown or
+    closed figure (and its copy of the image) alive until the cyclic collector runs: each such
+    copy cost a 768 x 768 crop-and-show 1.3 ms of fresh pages. What the calls returned still
+    becomes real when used afterwards."""
+    code = ("import gc, weakref\ngc.disable()\n"
+            "for end in ('plt.show()', 'plt.close()', \"plt.close('all')\", 'plt.close(fig)'):\n"
+            "    fig = plt.figure(figsize=(2, 2)); plt.imshow(smooth[:50, :50]); plt.axis('off')\n"
+            "    image = weakref.ref(runtime.pyplot.record.pixels)\n"
+            "    exec(end); del fig\n"
+            "    print(image() is None, end=' ')\n"
+            "plt.figure(figsize=(2, 2)); im = plt.imshow(smooth[:40, :50]); plt.axis('off')\n"
+            "plt.close()\nprint(im.get_size(), plt.get_fignums())\ngc.enable()")
+    assert _ok(context_sbx.run(code)).strip().split(maxsplit=4) == ["True"] * 4 + ["(40, 50) []"]
+
+
+def test_code_that_cannot_be_encoded_is_an_error_and_the_runtime_lives_on(sbx):
+    """A call's code crosses as UTF-8; a lone surrogate (which Python cannot compile either) is
+    the code's error, not a lost runtime."""
+    result = sbx.run('x = 1\ns = "\udc80"')
+    assert result.status == "error" and "surrogates not allowed" in result.stderr
+    assert _ok(sbx.run('print("é→✓", len("é→✓"))')) == "é→✓ 3\n"
+
+
 def test_a_full_bleed_image_at_context_size_arrives_pixel_for_pixel(context_sbx):
     """An image that fills its figure, already at its context size, is neither resampled nor
     re-encoded on its way to the agent loop."""
