@@ -94,6 +94,16 @@ def recv_frame(sock: socket.socket) -> bytes:
     return recv_exact(sock, n)
 
 
+def whole_frame(chunk: bytes, limit: int = MAX_FRAME) -> bytes | None:
+    """The payload when ``chunk`` (what one read returned) is exactly one frame of at most
+    ``limit`` bytes, as a call's request or reply usually is; None otherwise."""
+    if len(chunk) >= 4:
+        (n,) = LENGTH.unpack_from(chunk)
+        if len(chunk) == n + 4 and n <= limit:
+            return chunk[4:]
+    return None
+
+
 def read_in_place(buf: bytearray, n: int, recv_into) -> bytearray:
     """A big frame of ``n`` bytes: what ``buf`` already holds (then cleared), and the rest
     received straight into place. ``recv_into(view)`` returns how many bytes it read, 0 when the
@@ -138,10 +148,8 @@ class FrameReader:
             chunk = self.sock.recv(65536)
             if not chunk:
                 raise EOFError("peer closed")
-            if len(chunk) >= 4:
-                (n,) = LENGTH.unpack_from(chunk)
-                if len(chunk) == n + 4:
-                    return chunk[4:]
+            if (payload := whole_frame(chunk)) is not None:
+                return payload
             self.buf += chunk
         (n,) = struct.unpack(">I", self._take(4))
         if n > MAX_FRAME:

@@ -23,11 +23,11 @@ from typing import Any, Literal, Self
 
 from pipelines.agent.sandbox._zygote import (
     BIG_FRAME,
-    LENGTH,
     RUN_TAG,
     output_buffer_size,
     read_in_place,
     render_output,
+    whole_frame,
 )
 from pipelines.agent.sandbox.isolation import isolation_mode
 from pipelines.agent.sandbox.media import (
@@ -176,10 +176,8 @@ class _FrameReader:
             else:
                 if not chunk:
                     raise EOFError
-            if len(chunk) >= 4:
-                (n,) = LENGTH.unpack_from(chunk)
-                if len(chunk) == n + 4 and n <= limit:
-                    return chunk[4:]
+            if (payload := whole_frame(chunk, limit)) is not None:
+                return payload
             self.buf += chunk
         (n,) = struct.unpack(">I", self._take(4, deadline))
         if n > limit:
