@@ -79,28 +79,37 @@ def perf_eval(
 @command(app, "rl")
 def perf_rl(
     model: Annotated[str | None, typer.Option(help="Policy to measure (default: a fresh tiny model).")] = None,
-    size: Annotated[Literal["nano", "small"], typer.Option(help="Tiny model size when no --model.")] = "small",
+    size: Annotated[Literal["nano", "small", "qwen2.5-vl-7b"], typer.Option(help="Model when no --model: a fresh tiny model (nano, small), or the released 7B's layer shapes with random weights, made on the device (for memory and time at that scale).")] = "small",
     tasks: Annotated[str | None, typer.Option(help="RL prompt folder (default: synthetic image tasks).")] = None,
     prompts: Annotated[int, typer.Option(help="Prompts per round.", min=1)] = 4,
     n: Annotated[int, typer.Option(help="Rollouts per prompt.", min=2)] = 4,
     rounds: Annotated[int, typer.Option(help="Measured rounds (after one warm-up round).", min=1)] = 2,
     threads: Annotated[int, typer.Option(help="torch CPU threads (1 is fastest for tiny models on a busy CPU).", min=1)] = 1,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens per assistant turn.", min=8)] = 128,
+    device: Annotated[Literal["auto", "cpu", "cuda"], typer.Option(help="Where the model runs (auto: cuda when torch sees a GPU).")] = "auto",
+    dtype: Annotated[Literal["auto", "float32", "bfloat16"], typer.Option(help="Weights' dtype (auto: bf16 on a GPU, fp32 on CPU).")] = "auto",
+    lora_rank: Annotated[int, typer.Option(help="Train LoRA adapters of this rank (rl.lora.rank) instead of every weight; 0 trains every weight.", min=0)] = 0,
+    image_max_pixels: Annotated[int, typer.Option(help="Pixels per image at most (agent.image_max_pixels).", min=3136)] = 12544,
     json_out: JsonOpt = False,
 ) -> None:
     """Local RL engine: trajectories per second (rollout, sandboxes included) and training tokens
-    per second (PPO update: old log-probs, forward and backward)."""
+    per second (PPO update: old log-probs, forward and backward); on a GPU, its peak memory."""
     from pipelines.perf.rl import run_benchmark
 
     with err.status("measuring the local RL engine ..."):
         result = run_benchmark(model=model, size=size, tasks=tasks, prompts=prompts, n=n,
-                               rounds=rounds, threads=threads, max_new_tokens=max_new_tokens)
+                               rounds=rounds, threads=threads, max_new_tokens=max_new_tokens,
+                               device=device, dtype=dtype, lora_rank=lora_rank,
+                               image_max_pixels=image_max_pixels)
     if json_out:
         print_json(result)
     else:
         r, u = result["rollout"], result["update"]
-        err.print(f"{result['model']} ({result['parameters']:,} parameters, {result['threads']} "
-                  f"thread(s)): rollout {r['trajectories_per_s']} trajectories/s "
+        mem = (f", peak {result['peak_allocated_gib']} GiB on {result['gpu']}"
+               if "gpu" in result else "")
+        err.print(f"{result['model']} ({result['parameters']:,} parameters, "
+                  f"{result['trainable_parameters']:,} trained, {result['device']} "
+                  f"{result['dtype']}, {result['threads']} thread(s){mem}): rollout {r['trajectories_per_s']} trajectories/s "
                   f"({r['generated_tokens_per_s']} generated tokens/s); update "
                   f"{u['tokens_per_s']} training tokens/s ({u['model_tokens_per_s']} model tokens/s)")
 

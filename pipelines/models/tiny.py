@@ -109,6 +109,18 @@ SPECS: dict[str, TinySpec] = {
                       corpus_docs=3000),
 }
 
+# Released models' layer shapes, with random weights and the shipped tiny tokenizer (so the
+# vocabulary, and the embedding, stay small): for measuring memory and time of a training step at
+# that scale on a GPU before downloading any weights (`pyvision perf rl --size qwen2.5-vl-7b`).
+# Qwen2.5-VL-7B-Instruct's config.json: hidden 3584, 28 layers, 28 heads, 4 KV heads, MLP 18944;
+# a 32-block vision tower of width 1280 (16 heads, MLP 3420) projecting to 3584.
+SHAPES: dict[str, TinySpec] = {
+    "qwen2.5-vl-7b": TinySpec(vocab_size=0, hidden=3584, intermediate=18944, layers=28, heads=28,
+                              kv_heads=4, mrope_section=(16, 24, 24), vision_depth=32,
+                              vision_hidden=1280, vision_heads=16, vision_intermediate=3420,
+                              max_positions=128000, corpus_docs=0),
+}
+
 IMAGE_MIN_PIXELS = 3136
 IMAGE_MIN_PIXELS_QWEN3 = 4096  # 2 x 2 tokens of 32 x 32 pixels
 IMAGE_MAX_PIXELS = 50176
@@ -305,6 +317,28 @@ def build_tiny_model(out_dir: str | Path, size: Size = "nano", seed: int = 0,
             {"size": size, "seed": seed, "arch": arch, **info, "vocab_size": len(tokenizer)},
             indent=2) + "\n")
     return out
+
+
+def build_shape_model(name: str, *, device: str, dtype: Any, seed: int = 0) -> tuple[Any, Any]:
+    """(model, processor): a Qwen2.5-VL with the layer shapes of :data:`SHAPES` ``name`` and
+    random weights, made directly on ``device`` in ``dtype`` (nothing is written to disk), with
+    the shipped tiny base's processor. Its generations are noise: it measures cost, not skill."""
+    import torch
+    from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
+
+    from pipelines.models.pretrain import shipped_base
+
+    if name not in SHAPES:
+        raise UserError(f"unknown model shape '{name}'", hint=f"use one of {', '.join(SHAPES)}")
+    processor = AutoProcessor.from_pretrained(str(shipped_base("small")))
+    config = build_config(SHAPES[name], processor.tokenizer)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = Qwen2_5_VLForConditionalGeneration._from_config(config, dtype=dtype)
+    model.generation_config.update(eos_token_id=[config.text_config.eos_token_id,
+                                                 config.text_config.bos_token_id],
+                                   pad_token_id=config.text_config.pad_token_id, do_sample=False)
+    return model.eval(), processor
 
 
 def describe_module(model: Any) -> dict[str, int]:

@@ -10,6 +10,12 @@ Two numbers, measured on the engine's own code paths (:class:`pipelines.rl.local
 The first round warms up (sandbox zygote, kernels) and is not counted. Without ``--model`` a fresh
 tiny model is built, whose untrained turns run to ``max_new_tokens`` and end there: that measures
 the engine at a fixed, known length. Pass an SFT model to measure realistic multi-turn rollouts.
+
+On a GPU (``--device cuda``, bf16 by default there), ``--size qwen2.5-vl-7b`` builds a model with
+the released 7B's layer shapes and random weights on the GPU (:data:`pipelines.models.tiny.SHAPES`),
+and ``--lora-rank R`` trains LoRA adapters instead of every weight (``rl.lora``): the peak GPU
+memory and the step times then say whether, and how fast, RL at that scale fits one GPU, before
+any weights are downloaded.
 """
 
 from __future__ import annotations
@@ -22,20 +28,33 @@ from typing import Any
 
 def run_benchmark(*, model: str | None = None, size: str = "small", tasks: str | None = None,
                   prompts: int = 4, n: int = 4, rounds: int = 2, threads: int = 1,
-                  max_new_tokens: int = 128, seed: int = 0) -> dict[str, Any]:
+                  max_new_tokens: int = 128, seed: int = 0, device: str = "cpu",
+                  dtype: str = "auto", lora_rank: int = 0,
+                  image_max_pixels: int = 12544) -> dict[str, Any]:
     """Measure rollout and update throughput; returns the JSON the CLI prints."""
     import torch
 
     from pipelines.config.recipe import load_recipe
-    from pipelines.rl.local import LocalEngine, load_policy_model, load_rl_tasks
+    from pipelines.core.device import resolve_device, torch_dtype
+    from pipelines.models.tiny import SHAPES
+    from pipelines.rl.local import LocalEngine, attach_lora, load_policy_model, load_rl_tasks
     from pipelines.rl.sampler import TaskSampler
 
+    device = resolve_device(device)
+    if device == "cuda" and not torch.cuda.is_available():
+        from pipelines.errors import UserError
+
+        raise UserError("--device cuda: torch sees no GPU on this machine",
+                        hint="use --device cpu, or run where `pyvision doctor` lists a GPU")
     with tempfile.TemporaryDirectory(prefix="pyvision-perf-rl-") as tmp:
         build_s = 0.0
-        if model is None:
+        shaped = size if model is None and size in SHAPES else None
+        label = (f"{size} shape, random weights" if shaped else
+                 model if model is not None else f"tiny-{size}")
+        t = time.monotonic()
+        if model is None and shaped is None:
             from pipelines.models.tiny import build_tiny_model
 
-            t = time.monotonic()
             model = str(build_tiny_model(Path(tmp) / "model", size=size, seed=seed))  # type: ignore[arg-type]
             build_s = time.monotonic() - t
         if tasks is None:
@@ -45,15 +64,29 @@ def run_benchmark(*, model: str | None = None, size: str = "small", tasks: str |
             synthesize("image-search", prompts * (rounds + 1), seed, tasks,
                        families=["color", "count"], progress=False)
         recipe = load_recipe(None, [
-            f"seed={seed}", "model.device=cpu", "model.dtype=float32",
+            f"seed={seed}", f"model.device={device}", f"model.dtype={dtype}",
+            f"rl.lora.rank={lora_rank}",
             f"rl.prompts_per_step={prompts}", f"rl.n={n}", f"rl.mini_batch_prompts={prompts}",
             "rl.strategy.oversample_factor=1", "rl.strategy.filter_zero_variance=false",
             "rl.strategy.filter_broken=false", "rl.local.ppo_epochs=1",
             f"rl.local.threads={threads}", f"agent.max_new_tokens_per_turn={max_new_tokens}",
-            "agent.image_max_pixels=12544", "reward.judge.base_url=null"])
+            f"agent.image_max_pixels={image_max_pixels}", "reward.judge.base_url=null"])
         torch.set_num_threads(threads)
         torch.manual_seed(seed)
-        policy_model, processor = load_policy_model(recipe, model)
+        if shaped is not None:
+            from pipelines.models.tiny import build_shape_model
+            from pipelines.rl.local import _freeze_vision
+
+            policy_model, processor = build_shape_model(
+                shaped, device=device, dtype=torch_dtype(recipe.model.dtype, device), seed=seed)
+            _freeze_vision(policy_model)
+            build_s = time.monotonic() - t
+        else:
+            policy_model, processor = load_policy_model(recipe, model)
+        if lora_rank:
+            attach_lora(policy_model, recipe.rl.lora)
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
         items = load_rl_tasks([tasks])
         engine = LocalEngine(recipe, policy_model, processor, items,
                              TaskSampler(len(items), seed))
@@ -65,6 +98,8 @@ def run_benchmark(*, model: str | None = None, size: str = "small", tasks: str |
             seqs, advs, group_of = engine.training_batch(batch)
             t = time.monotonic()
             engine.update(seqs, advs, group_of)
+            if device == "cuda":
+                torch.cuda.synchronize()  # the step's kernels, not just their launches
             update_s = time.monotonic() - t
             if r == 0:
                 continue  # warm-up
@@ -78,12 +113,24 @@ def run_benchmark(*, model: str | None = None, size: str = "small", tasks: str |
             upd["model_tokens"] += sum(sum(s.response_mask) for s in seqs)
             upd["seconds"] += update_s
     n_params = sum(p.numel() for p in policy_model.parameters())
+    memory = {}
+    if device == "cuda":
+        gib = 2 ** 30
+        memory = {"gpu": torch.cuda.get_device_name(0),
+                  "peak_allocated_gib": round(torch.cuda.max_memory_allocated() / gib, 2),
+                  "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / gib, 2)}
     return {
-        "model": "tiny-" + size if build_s else model,
+        "model": label,
         "parameters": n_params,
+        "trainable_parameters": sum(p.numel() for p in policy_model.parameters()
+                                    if p.requires_grad),
+        "lora_rank": lora_rank,
         "threads": threads,
         "device": str(next(policy_model.parameters()).device),
+        "dtype": str(next(policy_model.parameters()).dtype).removeprefix("torch."),
+        **memory,
         "prompts": prompts, "n": n, "rounds": rounds, "max_new_tokens": max_new_tokens,
+        "image_max_pixels": image_max_pixels,
         "rollout": {**{k: round(v, 3) if isinstance(v, float) else v for k, v in roll.items()},
                     "trajectories_per_s": round(roll["trajectories"] / roll["seconds"], 3),
                     "generated_tokens_per_s": round(roll["generated_tokens"] / roll["seconds"], 1),

@@ -84,14 +84,12 @@ def _freeze_vision(model: Any) -> int:
 
 def load_policy_model(recipe: Recipe, model_path: str) -> tuple[Any, Any]:
     """(model, processor) on the recipe's device and dtype, vision tower frozen if asked."""
-    import torch
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    device = recipe.model.device if recipe.model.device != "auto" else (
-        "cuda" if torch.cuda.is_available() else "cpu")
-    dtype = {"auto": torch.bfloat16 if device == "cuda" else torch.float32,
-             "float32": torch.float32, "bfloat16": torch.bfloat16,
-             "float16": torch.float16}[recipe.model.dtype]
+    from pipelines.core.device import resolve_device, torch_dtype
+
+    device = resolve_device(recipe.model.device)
+    dtype = torch_dtype(recipe.model.dtype, device)
     try:
         processor = AutoProcessor.from_pretrained(model_path)
         model = AutoModelForImageTextToText.from_pretrained(model_path, dtype=dtype).to(device)

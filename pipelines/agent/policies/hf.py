@@ -79,19 +79,16 @@ class HFPolicy:
     def from_pretrained(cls, path: str, *, device: str = "auto", dtype: str = "auto",
                         image_min_pixels: int = 3136, image_max_pixels: int = 2_000_000,
                         image_factor: int = 28) -> HFPolicy:
-        import torch
         from transformers import AutoModelForImageTextToText, AutoProcessor
 
+        from pipelines.core.device import resolve_device, torch_dtype
         from pipelines.errors import UserError
 
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        torch_dtype = {"auto": torch.bfloat16 if device == "cuda" else torch.float32,
-                       "float32": torch.float32, "bfloat16": torch.bfloat16,
-                       "float16": torch.float16}[dtype]
+        device = resolve_device(device)
         try:
             processor = AutoProcessor.from_pretrained(path)
-            model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch_dtype)
+            model = AutoModelForImageTextToText.from_pretrained(
+                path, dtype=torch_dtype(dtype, device))
         except OSError as exc:
             raise UserError(f"cannot load model '{path}': {str(exc).splitlines()[0]}",
                             hint="pass a local Hugging Face model folder (offline) or a hub id "

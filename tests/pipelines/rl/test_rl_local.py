@@ -9,6 +9,7 @@ real: SFT on LLaMA-Factory, then engine steps with the true reward, on the demo'
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from pathlib import Path
@@ -20,6 +21,7 @@ import torch
 from pipelines.config.recipe import load_recipe
 from pipelines.core.checkpoints import STATE_FILE, list_checkpoints
 from pipelines.core.records import Task
+from pipelines.errors import UserError
 from pipelines.rl.local import LiveTable, LocalEngine, step_metrics, train_local
 from pipelines.rundir import stage_dir
 from pipelines.scoring.reward import RewardBreakdown
@@ -427,3 +429,53 @@ def test_lora_rl_trains_resumes_and_merges(tiny_model_dir, rl_tasks, tmp_path, m
     merged, base = weights(tmp_path / "merged"), weights(tiny_model_dir)
     assert info["full_load"] and set(merged) == set(base)
     assert any(not torch.equal(merged[k], base[k]) for k in base)
+
+
+def test_perf_rl_lora_trains_only_the_adapters(tiny_model_dir, rl_tasks):
+    from pipelines.perf.rl import run_benchmark
+
+    data = run_benchmark(model=str(tiny_model_dir), tasks=str(rl_tasks), prompts=2, n=2,
+                         rounds=1, max_new_tokens=8, lora_rank=4)
+    assert data["lora_rank"] == 4 and data["dtype"] == "float32" and data["device"] == "cpu"
+    # rank 4 on the 7 projections of each layer: a small fraction of the weights
+    assert 0 < data["trainable_parameters"] < data["parameters"] / 10
+    assert data["update"]["sequences"] == 4 and "gpu" not in data
+
+
+def test_perf_rl_on_a_model_shape(monkeypatch, rl_tasks):
+    """--size SHAPE builds a model of those layer shapes in memory (random weights, the shipped
+    tokenizer) and measures it like any other; here a small stand-in shape on CPU."""
+    from pipelines.models import tiny
+    from pipelines.perf.rl import run_benchmark
+
+    shape = dataclasses.replace(tiny.SPECS["nano"], hidden=96, heads=6, mrope_section=(2, 3, 3),
+                                layers=3)
+    monkeypatch.setitem(tiny.SHAPES, "test-shape", shape)
+    data = run_benchmark(size="test-shape", tasks=str(rl_tasks), prompts=2, n=2, rounds=1,
+                         max_new_tokens=8)
+    assert data["model"] == "test-shape shape, random weights"
+    assert data["update"]["sequences"] == 4
+    model, processor = tiny.build_shape_model("test-shape", device="cpu", dtype=torch.float32)
+    text = model.config.get_text_config()
+    assert (text.hidden_size, text.num_hidden_layers, text.num_attention_heads) == (96, 3, 6)
+    assert text.vocab_size == len(processor.tokenizer)  # the shipped tiny vocabulary
+    frozen = data["parameters"] - data["trainable_parameters"]
+    assert frozen == sum(p.numel() for p in model.model.visual.parameters())  # vision frozen
+
+
+def test_build_shape_model_unknown_name():
+    from pipelines.models.tiny import build_shape_model
+
+    with pytest.raises(UserError, match="unknown model shape 'qwen9'"):
+        build_shape_model("qwen9", device="cpu", dtype=torch.float32)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")
+def test_perf_rl_cuda_without_a_gpu_is_a_clear_error():
+    from typer.testing import CliRunner
+
+    from pyvision_cli.perf import app
+
+    result = CliRunner().invoke(app, ["rl", "--device", "cuda", "--size", "nano"])
+    assert result.exit_code == 2
+    assert "torch sees no GPU" in result.output
