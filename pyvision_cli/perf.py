@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 import typer
 
-from pyvision_cli.common import JsonOpt, command, err, make_app, print_json
+from pyvision_cli.common import JsonOpt, SetOpt, command, err, make_app, print_json
 
 app = make_app("Benchmarks of the project's own speed (JSON with --json).", group=True)
 
@@ -90,6 +90,7 @@ def perf_rl(
     dtype: Annotated[Literal["auto", "float32", "bfloat16"], typer.Option(help="Weights' dtype (auto: bf16 on a GPU, fp32 on CPU).")] = "auto",
     lora_rank: Annotated[int, typer.Option(help="Train LoRA adapters of this rank (rl.lora.rank) instead of every weight; 0 trains every weight.", min=0)] = 0,
     image_max_pixels: Annotated[int, typer.Option(help="Pixels per image at most (agent.image_max_pixels).", min=3136)] = 12544,
+    set_: SetOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Local RL engine: trajectories per second (rollout, sandboxes included) and training tokens
@@ -100,7 +101,7 @@ def perf_rl(
         result = run_benchmark(model=model, size=size, tasks=tasks, prompts=prompts, n=n,
                                rounds=rounds, threads=threads, max_new_tokens=max_new_tokens,
                                device=device, dtype=dtype, lora_rank=lora_rank,
-                               image_max_pixels=image_max_pixels)
+                               image_max_pixels=image_max_pixels, overrides=set_ or ())
     if json_out:
         print_json(result)
     else:

@@ -145,6 +145,14 @@ class LoraRLConfig(Section):
     """Linear layers of the language model that get adapters (module name suffixes); the vision
     tower never does."""
 
+    merge_for_rollout: bool = True
+    """Local engine: fold the adapters into their base weights while rolling out, so each decode
+    step runs one matrix product per projection instead of three (at Qwen2.5-VL-7B's shapes on
+    an H200, generation ran 2.3x slower with the adapters unmerged: docs/gpu-check.md). The base
+    weights are restored bit for bit afterwards, from a copy kept in host memory (one copy of
+    the adapted weights). verl's rollouts always get merged weights (vLLM), so it has no
+    such setting."""
+
     @property
     def enabled(self) -> bool:
         return self.rank > 0

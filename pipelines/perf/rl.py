@@ -29,8 +29,8 @@ from typing import Any
 def run_benchmark(*, model: str | None = None, size: str = "small", tasks: str | None = None,
                   prompts: int = 4, n: int = 4, rounds: int = 2, threads: int = 1,
                   max_new_tokens: int = 128, seed: int = 0, device: str = "cpu",
-                  dtype: str = "auto", lora_rank: int = 0,
-                  image_max_pixels: int = 12544) -> dict[str, Any]:
+                  dtype: str = "auto", lora_rank: int = 0, image_max_pixels: int = 12544,
+                  overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
     """Measure rollout and update throughput; returns the JSON the CLI prints."""
     import torch
 
@@ -70,7 +70,8 @@ def run_benchmark(*, model: str | None = None, size: str = "small", tasks: str |
             "rl.strategy.oversample_factor=1", "rl.strategy.filter_zero_variance=false",
             "rl.strategy.filter_broken=false", "rl.local.ppo_epochs=1",
             f"rl.local.threads={threads}", f"agent.max_new_tokens_per_turn={max_new_tokens}",
-            f"agent.image_max_pixels={image_max_pixels}", "reward.judge.base_url=null"])
+            f"agent.image_max_pixels={image_max_pixels}", "reward.judge.base_url=null",
+            *overrides])
         torch.set_num_threads(threads)
         torch.manual_seed(seed)
         if shaped is not None:
@@ -130,7 +131,7 @@ def run_benchmark(*, model: str | None = None, size: str = "small", tasks: str |
         "dtype": str(next(policy_model.parameters()).dtype).removeprefix("torch."),
         **memory,
         "prompts": prompts, "n": n, "rounds": rounds, "max_new_tokens": max_new_tokens,
-        "image_max_pixels": image_max_pixels,
+        "image_max_pixels": image_max_pixels, "overrides": list(overrides),
         "rollout": {**{k: round(v, 3) if isinstance(v, float) else v for k, v in roll.items()},
                     "trajectories_per_s": round(roll["trajectories"] / roll["seconds"], 3),
                     "generated_tokens_per_s": round(roll["generated_tokens"] / roll["seconds"], 1),

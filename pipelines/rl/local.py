@@ -129,6 +129,49 @@ def attach_lora(model: Any, cfg: Any, adapter: str | Path | None = None) -> Any:
     return peft_model
 
 
+class MergedAdapters:
+    """For the duration of a ``with`` block (rollouts): each LoRA layer's adapter folded into its
+    base weight and the layer itself swapped out of the model for that base layer, so the model
+    runs as a plain merged model (as vLLM gets it at scale), not through peft's wrappers, whose
+    per-call Python costs more than their matrix products while decoding one token at a time.
+    Afterwards the wrappers go back and every base weight is restored exactly.
+
+    Unmerging alone would not restore them: ``(W + dW) - dW`` rounds (in bf16, at every step, and
+    the error would accumulate in weights that are meant to stay frozen). So each adapted base
+    weight is copied once to host memory, and after peft's own unmerge (which keeps its
+    bookkeeping) the copy is written back. Training never sees merged weights: old log-probs
+    are recomputed after the rollout with the adapters unmerged."""
+
+    def __init__(self, model: Any) -> None:
+        from peft.tuners.lora import LoraLayer
+
+        parents = dict(model.named_modules())
+        self.layers: list[tuple[Any, Any, str]] = []  # (LoRA layer, its parent, attribute)
+        for name, module in model.named_modules():
+            if isinstance(module, LoraLayer):
+                parent, _, attr = name.rpartition(".")
+                self.layers.append((module, parents[parent], attr))
+        self.saved = [layer.get_base_layer().weight.detach().to("cpu", copy=True)
+                      for layer, _, _ in self.layers]
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        import torch
+
+        with torch.no_grad():
+            for layer, parent, attr in self.layers:
+                layer.merge()
+                setattr(parent, attr, layer.get_base_layer())
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for (layer, parent, attr), saved in zip(self.layers, self.saved):
+                    setattr(parent, attr, layer)
+                    layer.unmerge()
+                    layer.get_base_layer().weight.copy_(saved)
+
+
 def save_adapter(peft_model: Any, processor: Any, out: Path, base_model: str, cfg: Any) -> None:
     """The adapter, the processor and a marker saying what to merge it into
     (``pipelines.sft.lora.merge_lora`` merges such folders with peft)."""
@@ -178,6 +221,11 @@ class LocalEngine:
                                image_max_pixels=recipe.agent.image_max_pixels,
                                image_factor=recipe.agent.image_factor)
         self.n_draw = math.ceil(rl.strategy.oversample_factor * rl.prompts_per_step)
+        # LoRA: rollouts run on merged weights (rl.lora.merge_for_rollout).
+        self.merged = MergedAdapters(model) if rl.lora.enabled and rl.lora.merge_for_rollout \
+            else None
+        if self.merged is not None and not self.merged.layers:
+            self.merged = None  # no adapters attached to this model object
         tok = processor.tokenizer
         self._vision_pads = sorted({tok.convert_tokens_to_ids(t)
                                     for t in ("<|image_pad|>", "<|video_pad|>")})
@@ -219,7 +267,7 @@ class LocalEngine:
     def rollout(self) -> RolloutBatch:
         """Generate rounds of groups until enough survive the strategy's filters."""
         start = time.monotonic()
-        with self.sampling():
+        with self.sampling(), (self.merged() if self.merged else contextlib.nullcontext()):
             return self._rollout(start)
 
     def _rollout(self, start: float) -> RolloutBatch:
