@@ -150,8 +150,9 @@ class LoraRLConfig(Section):
     step runs one matrix product per projection instead of three (at Qwen2.5-VL-7B's shapes on
     an H200, generation ran 2.3x slower with the adapters unmerged: docs/gpu-check.md). The base
     weights are restored bit for bit afterwards, from a copy kept in host memory (one copy of
-    the adapted weights). verl's rollouts always get merged weights (vLLM), so it has no
-    such setting."""
+    the adapted weights). verl: `actor_rollout_ref.model.lora.merge`, so vLLM gets the merged
+    weights at each sync instead of applying the adapter with its own LoRA kernels (verl's
+    default); verl's note: faster inference, longer weight syncs."""
 
     @property
     def enabled(self) -> bool:

@@ -126,6 +126,9 @@ def lora_overrides(recipe: Recipe) -> list[Override]:
         Override("actor_rollout_ref.model.exclude_modules", LORA_EXCLUDE),
         Override("actor_rollout_ref.rollout.load_format", "safetensors"),
         Override("actor_rollout_ref.rollout.layered_summon", True),
+        # rl.lora.merge_for_rollout: vLLM samples from weights with the adapter merged in
+        # (verl merges at each weight sync) instead of applying it with its LoRA kernels.
+        Override("actor_rollout_ref.model.lora.merge", lora.merge_for_rollout),
     ]
 
 

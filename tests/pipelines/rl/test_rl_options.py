@@ -181,6 +181,12 @@ def test_lora_overrides_compose_against_verls_config(tmp_path):
     model = cfg.actor_rollout_ref.model
     assert (model.lora_rank, model.lora_alpha, model.exclude_modules) == (16, 32, ".*visual.*")
     assert list(OmegaConf.to_container(model.target_modules)) == list(recipe.rl.lora.target_modules)
+    assert model.lora.merge is True  # rl.lora.merge_for_rollout, on by default
+    unmerged = load_recipe(RECIPES_DIR / "pyvision-image-7b.yaml",
+                           ("rl.lora.rank=16", "rl.lora.merge_for_rollout=false"))
+    cfg = compose_verl(render_overrides(unmerged, model="m", paths=paths, has_val=False,
+                                        resume=False))
+    assert cfg.actor_rollout_ref.model.lora.merge is False
     off = {o.key for o in render(load_recipe(RECIPES_DIR / "pyvision-image-7b.yaml"), model="m",
                                  paths=paths, has_val=False, resume=False)}
     assert "actor_rollout_ref.model.lora_rank" not in off
