@@ -31,6 +31,7 @@ from pipelines.console import err
 from pipelines.fsutil import atomic_dir, atomic_write_json
 from pipelines.models.curriculum import make_example, stream_example
 from pipelines.models.encoding import Encoder, collate, token_losses
+from pipelines.models.tiny import shipped_base
 
 PRETRAIN_VERSION = "1"
 MANIFEST = "pretrain_manifest.json"
@@ -256,11 +257,6 @@ class _Bar:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.stop()
-
-
-def shipped_base(size: str) -> Path:
-    """Where the repository keeps the pretrained tiny base of ``size``."""
-    return Path(__file__).resolve().parent / "weights" / f"tiny-{size}"
 
 
 def copy_shipped_base(size: str, dest: Path) -> Path:

@@ -319,14 +319,18 @@ def build_tiny_model(out_dir: str | Path, size: Size = "nano", seed: int = 0,
     return out
 
 
+def shipped_base(size: str) -> Path:
+    """Where the repository keeps the pretrained tiny base of ``size`` (made by `pyvision model
+    pretrain`, checked against its manifest by ``pretrain.copy_shipped_base``)."""
+    return Path(__file__).resolve().parent / "weights" / f"tiny-{size}"
+
+
 def build_shape_model(name: str, *, device: str, dtype: Any, seed: int = 0) -> tuple[Any, Any]:
     """(model, processor): a Qwen2.5-VL with the layer shapes of :data:`SHAPES` ``name`` and
     random weights, made directly on ``device`` in ``dtype`` (nothing is written to disk), with
     the shipped tiny base's processor. Its generations are noise: it measures cost, not skill."""
     import torch
     from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
-
-    from pipelines.models.pretrain import shipped_base
 
     if name not in SHAPES:
         raise UserError(f"unknown model shape '{name}'", hint=f"use one of {', '.join(SHAPES)}")
