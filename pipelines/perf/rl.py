@@ -46,6 +46,16 @@ def run_benchmark(*, model: str | None = None, size: str = "small", tasks: str |
 
         raise UserError("--device cuda: torch sees no GPU on this machine",
                         hint="use --device cpu, or run where `pyvision doctor` lists a GPU")
+    # First, so that a bad --set fails before any model is built.
+    recipe = load_recipe(None, [
+        f"seed={seed}", f"model.device={device}", f"model.dtype={dtype}",
+        f"rl.lora.rank={lora_rank}",
+        f"rl.prompts_per_step={prompts}", f"rl.n={n}", f"rl.mini_batch_prompts={prompts}",
+        "rl.strategy.oversample_factor=1", "rl.strategy.filter_zero_variance=false",
+        "rl.strategy.filter_broken=false", "rl.local.ppo_epochs=1",
+        f"rl.local.threads={threads}", f"agent.max_new_tokens_per_turn={max_new_tokens}",
+        f"agent.image_max_pixels={image_max_pixels}", "reward.judge.base_url=null",
+        *overrides])
     with tempfile.TemporaryDirectory(prefix="pyvision-perf-rl-") as tmp:
         build_s = 0.0
         shaped = size if model is None and size in SHAPES else None
@@ -63,15 +73,6 @@ def run_benchmark(*, model: str | None = None, size: str = "small", tasks: str |
             tasks = str(Path(tmp) / "tasks")
             synthesize("image-search", prompts * (rounds + 1), seed, tasks,
                        families=["color", "count"], progress=False)
-        recipe = load_recipe(None, [
-            f"seed={seed}", f"model.device={device}", f"model.dtype={dtype}",
-            f"rl.lora.rank={lora_rank}",
-            f"rl.prompts_per_step={prompts}", f"rl.n={n}", f"rl.mini_batch_prompts={prompts}",
-            "rl.strategy.oversample_factor=1", "rl.strategy.filter_zero_variance=false",
-            "rl.strategy.filter_broken=false", "rl.local.ppo_epochs=1",
-            f"rl.local.threads={threads}", f"agent.max_new_tokens_per_turn={max_new_tokens}",
-            f"agent.image_max_pixels={image_max_pixels}", "reward.judge.base_url=null",
-            *overrides])
         torch.set_num_threads(threads)
         torch.manual_seed(seed)
         if shaped is not None:
@@ -84,7 +85,7 @@ def run_benchmark(*, model: str | None = None, size: str = "small", tasks: str |
             build_s = time.monotonic() - t
         else:
             policy_model, processor = load_policy_model(recipe, model)
-        if lora_rank:
+        if recipe.rl.lora.enabled:  # --lora-rank, or --set rl.lora.rank=R
             attach_lora(policy_model, recipe.rl.lora)
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
@@ -125,7 +126,7 @@ def run_benchmark(*, model: str | None = None, size: str = "small", tasks: str |
         "parameters": n_params,
         "trainable_parameters": sum(p.numel() for p in policy_model.parameters()
                                     if p.requires_grad),
-        "lora_rank": lora_rank,
+        "lora_rank": recipe.rl.lora.rank,
         "threads": threads,
         "device": str(next(policy_model.parameters()).device),
         "dtype": str(next(policy_model.parameters()).dtype).removeprefix("torch."),

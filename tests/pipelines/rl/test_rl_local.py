@@ -442,6 +442,23 @@ def test_perf_rl_lora_trains_only_the_adapters(tiny_model_dir, rl_tasks):
     assert data["update"]["sequences"] == 4 and "gpu" not in data
 
 
+def test_perf_rl_set_overrides_reach_the_recipe(tiny_model_dir, rl_tasks):
+    from typer.testing import CliRunner
+
+    from pyvision_cli.perf import app
+
+    result = CliRunner().invoke(app, ["rl", "--json", "--model", str(tiny_model_dir), "--tasks",
+                                      str(rl_tasks), "--prompts", "2", "--n", "2", "--rounds", "1",
+                                      "--max-new-tokens", "8", "--set", "rl.lora.rank=2",
+                                      "--set", "rl.lora.merge_for_rollout=false"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["overrides"] == ["rl.lora.rank=2", "rl.lora.merge_for_rollout=false"]
+    assert data["lora_rank"] == 2 and data["trainable_parameters"] < data["parameters"] / 10
+    bad = CliRunner().invoke(app, ["rl", "--size", "nano", "--set", "rl.no_such_key=1"])
+    assert bad.exit_code == 2 and "no_such_key" in bad.output
+
+
 def test_perf_rl_on_a_model_shape(monkeypatch, rl_tasks):
     """--size SHAPE builds a model of those layer shapes in memory (random weights, the shipped
     tokenizer) and measures it like any other; here a small stand-in shape on CPU."""
