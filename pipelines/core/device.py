@@ -7,12 +7,19 @@ from typing import Any
 
 
 def resolve_device(name: str) -> str:
-    """``auto`` is ``cuda`` when torch sees a GPU, else ``cpu``."""
+    """``auto`` is ``cuda`` when torch sees a GPU, else ``cpu``; ``cuda`` where torch sees none
+    is a clear error, not torch's at the first tensor moved there."""
     import torch
 
-    if name != "auto":
-        return name
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        from pipelines.errors import UserError
+
+        raise UserError("device 'cuda' asked for, but torch sees no GPU on this machine",
+                        hint="use model.device=cpu or auto (pyvision perf: --device cpu), or run "
+                             "where `pyvision doctor` lists a GPU")
+    return name
 
 
 def torch_dtype(name: str, device: str) -> Any:

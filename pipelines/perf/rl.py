@@ -41,11 +41,6 @@ def run_benchmark(*, model: str | None = None, size: str = "small", tasks: str |
     from pipelines.rl.sampler import TaskSampler
 
     device = resolve_device(device)
-    if device == "cuda" and not torch.cuda.is_available():
-        from pipelines.errors import UserError
-
-        raise UserError("--device cuda: torch sees no GPU on this machine",
-                        hint="use --device cpu, or run where `pyvision doctor` lists a GPU")
     # First, so that a bad --set fails before any model is built.
     recipe = load_recipe(None, [
         f"seed={seed}", f"model.device={device}", f"model.dtype={dtype}",
@@ -81,7 +76,8 @@ def run_benchmark(*, model: str | None = None, size: str = "small", tasks: str |
 
             policy_model, processor = build_shape_model(
                 shaped, device=device, dtype=torch_dtype(recipe.model.dtype, device), seed=seed)
-            _freeze_vision(policy_model)
+            if recipe.rl.freeze_vision_tower:  # as load_policy_model does
+                _freeze_vision(policy_model)
             build_s = time.monotonic() - t
         else:
             policy_model, processor = load_policy_model(recipe, model)

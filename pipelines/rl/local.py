@@ -147,7 +147,7 @@ class MergedAdapters:
 
         parents = dict(model.named_modules())
         self.layers: list[tuple[Any, Any, str]] = []  # (LoRA layer, its parent, attribute)
-        for name, module in model.named_modules():
+        for name, module in parents.items():
             if isinstance(module, LoraLayer):
                 parent, _, attr = name.rpartition(".")
                 self.layers.append((module, parents[parent], attr))
@@ -222,10 +222,8 @@ class LocalEngine:
                                image_factor=recipe.agent.image_factor)
         self.n_draw = math.ceil(rl.strategy.oversample_factor * rl.prompts_per_step)
         # LoRA: rollouts run on merged weights (rl.lora.merge_for_rollout).
-        self.merged = MergedAdapters(model) if rl.lora.enabled and rl.lora.merge_for_rollout \
-            else None
-        if self.merged is not None and not self.merged.layers:
-            self.merged = None  # no adapters attached to this model object
+        merged = MergedAdapters(model) if rl.lora.enabled and rl.lora.merge_for_rollout else None
+        self.merged = merged if merged and merged.layers else None  # None: no adapters attached
         tok = processor.tokenizer
         self._vision_pads = sorted({tok.convert_tokens_to_ids(t)
                                     for t in ("<|image_pad|>", "<|video_pad|>")})

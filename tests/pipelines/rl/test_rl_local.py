@@ -487,7 +487,9 @@ def test_build_shape_model_unknown_name():
         build_shape_model("qwen9", device="cpu", dtype=torch.float32)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="the error it checks exists only where torch sees no GPU; on a GPU "
+                           "machine `-m gpu` runs the engine on cuda instead")
 def test_perf_rl_cuda_without_a_gpu_is_a_clear_error():
     from typer.testing import CliRunner
 
