@@ -17,8 +17,8 @@ def resolve_device(name: str) -> str:
         from pipelines.errors import UserError
 
         raise UserError("device 'cuda' asked for, but torch sees no GPU on this machine",
-                        hint="use model.device=cpu or auto (pyvision perf: --device cpu), or run "
-                             "where `pyvision doctor` lists a GPU")
+                        hint="use model.device=cpu or auto (`pyvision perf rl --device cpu`), or "
+                             "run where `pyvision doctor` lists a GPU")
     return name
 
 
