@@ -29,3 +29,13 @@ def torch_dtype(name: str, device: str) -> Any:
     return {"auto": torch.bfloat16 if device == "cuda" else torch.float32,
             "float32": torch.float32, "bfloat16": torch.bfloat16,
             "float16": torch.float16}[name]
+
+
+def synchronize(model: Any) -> None:
+    """Wait for the work queued on ``model``'s GPU (nothing to wait for on a CPU), so that a
+    phase's wall time counts its kernels and copies, not only their launches."""
+    import torch
+
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

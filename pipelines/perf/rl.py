@@ -35,7 +35,7 @@ def run_benchmark(*, model: str | None = None, size: str = "small", tasks: str |
     import torch
 
     from pipelines.config.recipe import load_recipe
-    from pipelines.core.device import resolve_device, torch_dtype
+    from pipelines.core.device import resolve_device, synchronize, torch_dtype
     from pipelines.models.tiny import SHAPES
     from pipelines.rl.local import LocalEngine, attach_lora, load_policy_model, load_rl_tasks
     from pipelines.rl.sampler import TaskSampler
@@ -89,15 +89,14 @@ def run_benchmark(*, model: str | None = None, size: str = "small", tasks: str |
         engine = LocalEngine(recipe, policy_model, processor, items,
                              TaskSampler(len(items), seed))
         roll = {"trajectories": 0, "generated_tokens": 0, "turns": 0, "seconds": 0.0,
-                "generation_s": 0.0}
+                "generation_s": 0.0, "merge_s": 0.0}
         upd = {"sequences": 0, "tokens": 0, "model_tokens": 0, "seconds": 0.0}
         for r in range(rounds + 1):
             batch = engine.rollout()
             seqs, advs, group_of = engine.training_batch(batch)
             t = time.monotonic()
             engine.update(seqs, advs, group_of)
-            if device == "cuda":
-                torch.cuda.synchronize()  # the step's kernels, not just their launches
+            synchronize(policy_model)  # the step's kernels, not just their launches
             update_s = time.monotonic() - t
             if r == 0:
                 continue  # warm-up
@@ -106,6 +105,7 @@ def run_benchmark(*, model: str | None = None, size: str = "small", tasks: str |
             roll["turns"] += sum(x.num_turns for x in batch.trajectories)
             roll["seconds"] += batch.rollout_s
             roll["generation_s"] += batch.generation_s
+            roll["merge_s"] += batch.merge_s
             upd["sequences"] += len(seqs)
             upd["tokens"] += sum(len(s.input_ids) for s in seqs)
             upd["model_tokens"] += sum(sum(s.response_mask) for s in seqs)

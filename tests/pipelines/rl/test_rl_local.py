@@ -110,7 +110,9 @@ def test_metrics_are_stored_for_every_step(straight_run):
         assert m["trajectories"] >= 6 and m["strategy/generated_groups"] >= 2
         assert m["train/updates"] >= 1 and m["grad_norm"] > 0  # the stand-in reward varies
         assert m["time/rollout_s"] == pytest.approx(
-            m["time/generation_s"] + m["time/tools_s"] + m["time/reward_s"], rel=1e-6)
+            m["time/generation_s"] + m["time/tools_s"] + m["time/reward_s"] + m["time/merge_s"],
+            rel=1e-6)
+        assert m["time/merge_s"] == 0.0  # no LoRA adapters to merge
     assert summary["steps"] == 3 and summary["first_reward"] == steps[0]["reward/mean"]
     assert summary["frozen_vision_params"] > 0
     assert json.loads(sd.manifest_path.read_text())["outputs"]["model"].endswith("model")
@@ -536,6 +538,7 @@ def test_lora_rollouts_run_on_merged_weights_restored_exactly(tiny_model_dir, rl
     model.register_forward_pre_hook(merged_and_unwrapped)
     batch = engine.rollout()
     assert batch.trajectories and seen and set(seen) == {merge}
+    assert (batch.merge_s > 0) == merge and batch.merge_s < batch.rollout_s
     assert not any(x.merged for x in layers)
     assert [m for m in model.modules() if isinstance(m, LoraLayer)] == layers
     for n, p in model.named_parameters():
