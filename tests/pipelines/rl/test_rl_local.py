@@ -37,6 +37,9 @@ ENGINE = [
     "rl.local.ppo_epochs=1", "rl.local.save_every=1", "rl.local.threads=1",
     "reward.judge.base_url=null",
 ]
+# Tests that need a CUDA GPU: deselected by default (`-m gpu` runs them) and skipped without one.
+ON_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
 # Metrics the issue asks for at every step.
 REQUIRED = {"reward/mean", "reward/accuracy", "reward/tool", "reward/format", "accuracy",
             "tool_calls/mean", "turns/mean", "response_length/mean", "entropy",
@@ -369,7 +372,7 @@ def test_cli_rl_local_then_resume_is_a_no_op(tiny_model_dir, rl_tasks, tmp_path)
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@ON_CUDA
 def test_local_engine_trains_on_cuda_in_bf16(tiny_model_dir, rl_tasks, tmp_path, monkeypatch):
     # The rollouts, the log-probs and the PPO update all on the GPU (advantages included).
     monkeypatch.setattr(LocalEngine, "rewards", token_reward)
@@ -502,10 +505,11 @@ def test_perf_rl_cuda_without_a_gpu_is_a_clear_error():
     assert "torch sees no GPU" in result.output
 
 
-@pytest.mark.parametrize("dtype,merge", [("float32", True), ("bfloat16", True),
-                                         ("float32", False)])
+@pytest.mark.parametrize("dtype,merge,device", [
+    ("float32", True, "cpu"), ("bfloat16", True, "cpu"), ("float32", False, "cpu"),
+    pytest.param("bfloat16", True, "cuda", marks=[pytest.mark.gpu, ON_CUDA])])
 def test_lora_rollouts_run_on_merged_weights_restored_exactly(tiny_model_dir, rl_tasks, dtype,
-                                                              merge):
+                                                              merge, device):
     """rl.lora.merge_for_rollout: generation sees the adapters folded into the base weights, and
     afterwards every weight is bit for bit what it was (unmerging alone rounds in bf16)."""
     from peft.tuners.lora import LoraLayer
@@ -513,9 +517,11 @@ def test_lora_rollouts_run_on_merged_weights_restored_exactly(tiny_model_dir, rl
     from pipelines.rl.local import attach_lora, load_policy_model, load_rl_tasks
     from pipelines.rl.sampler import TaskSampler
 
-    recipe = load_recipe(None, ENGINE + [f"model.dtype={dtype}", "rl.lora.rank=4",
-                                         f"rl.lora.merge_for_rollout={str(merge).lower()}",
-                                         "rl.strategy.filter_zero_variance=false"])
+    engine_sets = [o for o in ENGINE if not o.startswith("model.device")]
+    recipe = load_recipe(None, engine_sets + [f"model.device={device}", f"model.dtype={dtype}",
+                                              "rl.lora.rank=4",
+                                              f"rl.lora.merge_for_rollout={str(merge).lower()}",
+                                              "rl.strategy.filter_zero_variance=false"])
     model, processor = load_policy_model(recipe, str(tiny_model_dir))
     peft_model = attach_lora(model, recipe.rl.lora)
     with torch.no_grad():  # a trained adapter: B is no longer zero
@@ -524,7 +530,7 @@ def test_lora_rollouts_run_on_merged_weights_restored_exactly(tiny_model_dir, rl
                 p.normal_(0, 0.5)
     layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    ids = torch.tensor([[1, 2, 3, 4]])
+    ids = torch.tensor([[1, 2, 3, 4]], device=device)
     with torch.no_grad():
         want = model(input_ids=ids).logits.float()
     items = load_rl_tasks([rl_tasks])
