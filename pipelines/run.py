@@ -15,6 +15,7 @@ range. An interrupted SFT or RL stage continues from its last checkpoint when ru
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from pipelines.config.recipe import Recipe
@@ -23,38 +24,60 @@ from pipelines.errors import ConfigChanged, UserError
 from pipelines.manifest import DataOutputs, MergeOutputs, RLOutputs, SFTOutputs
 from pipelines.rundir import STAGES, StageDir, stage_dir
 
+# Each stage is (prepare, run). ``prepare`` resolves and checks the stage's inputs before the
+# stage writes anything (a missing earlier stage or a bad input is one line, with no stage folder
+# or store row left behind); ``run`` does the work with what ``prepare`` returned.
 
-def _stage_data(recipe: Recipe, sd: StageDir, show: bool) -> dict[str, Any]:
+
+def _stage_data(recipe: Recipe, sd: StageDir, show: bool, _: Any) -> dict[str, Any]:
     from pipelines.data_stage import run_data_stage
 
     return run_data_stage(recipe, sd, show_progress=show)["summary"]
 
 
-def _stage_sft(recipe: Recipe, sd: StageDir, show: bool) -> dict[str, Any]:
-    from pipelines.sft.stage import resolve_sft_inputs, run_sft
+def _inputs_sft(recipe: Recipe, sd: StageDir) -> tuple[str, str, str]:
+    from pipelines.sft.stage import resolve_sft_inputs
 
-    model, ds_dir, ds_name = resolve_sft_inputs(recipe, sd)
+    return resolve_sft_inputs(recipe, sd)
+
+
+def _stage_sft(recipe: Recipe, sd: StageDir, show: bool,
+               inputs: tuple[str, str, str]) -> dict[str, Any]:
+    from pipelines.sft.stage import run_sft
+
+    model, ds_dir, ds_name = inputs
     resume = (sd.path / "output").is_dir() and any((sd.path / "output").glob("checkpoint-*"))
     return run_sft(recipe, sd, model=model, dataset_dir=ds_dir, dataset=ds_name, resume=resume,
                    show_progress=show)
 
 
-def _stage_rl(recipe: Recipe, sd: StageDir, show: bool) -> dict[str, Any]:
-    from pipelines.core.checkpoints import list_checkpoints
-    from pipelines.rl.stage import resolve_rl_inputs, run_rl
+def _inputs_rl(recipe: Recipe, sd: StageDir) -> tuple[str, list[str]]:
+    from pipelines.rl.stage import resolve_rl_inputs
 
-    model, tasks = resolve_rl_inputs(recipe, sd)
+    return resolve_rl_inputs(recipe, sd)
+
+
+def _stage_rl(recipe: Recipe, sd: StageDir, show: bool,
+              inputs: tuple[str, list[str]]) -> dict[str, Any]:
+    from pipelines.core.checkpoints import list_checkpoints
+    from pipelines.rl.stage import run_rl
+
+    model, tasks = inputs
     # verl tracks its own checkpoints (global_step_N/ and this file) in the same folder.
     resume = bool(list_checkpoints(sd.path / "checkpoints")) or \
         (sd.path / "checkpoints" / "latest_checkpointed_iteration.txt").is_file()
     return run_rl(recipe, sd, model=model, task_dirs=tasks, resume=resume, show_progress=show)
 
 
-def _stage_merge(recipe: Recipe, sd: StageDir, show: bool) -> dict[str, Any]:
+def _inputs_merge(recipe: Recipe, sd: StageDir) -> RLOutputs:
     rl = sd.outputs_of(RLOutputs)
     if rl is None or (recipe.rl.engine != "verl" and rl.adapter is None and rl.model is None):
         raise UserError(f"run '{sd.run_id}' has no RL model to merge",
                         hint="run the rl stage first (or --from rl)")
+    return rl
+
+
+def _stage_merge(recipe: Recipe, sd: StageDir, show: bool, rl: RLOutputs) -> dict[str, Any]:
     if recipe.rl.engine == "verl":
         from pipelines.merge import merge_verl
 
@@ -88,13 +111,24 @@ def models_to_evaluate(sd: StageDir) -> dict[str, str]:
     return out
 
 
-def _stage_eval(recipe: Recipe, sd: StageDir, show: bool) -> dict[str, Any]:
+def _inputs_eval(recipe: Recipe, sd: StageDir) -> dict[str, str]:
+    models = models_to_evaluate(sd)
+    if not models:  # else the stage would finish having evaluated nothing, and be skipped after
+        raise UserError(f"run '{sd.run_id}' has no model to evaluate: none of its data, sft, rl "
+                        "or merge stages has finished",
+                        hint=f"run the earlier stages first (pyvision run RECIPE --run-id "
+                             f"{sd.run_id}), or evaluate a model folder with `pyvision eval "
+                             "--model PATH`")
+    return models
+
+
+def _stage_eval(recipe: Recipe, sd: StageDir, show: bool, models: dict[str, str]) -> dict[str, Any]:
     from pipelines.eval.runner import run_eval
 
     data = sd.outputs_of(DataOutputs)
     data_dirs = data.heldout if data is not None else {}
     summary: dict[str, Any] = {}
-    for tag, path in models_to_evaluate(sd).items():
+    for tag, path in models.items():
         results = run_eval(recipe, model=path, model_tag=tag, benchmarks=list(recipe.eval.benchmarks),
                            run_id=sd.run_id, store=sd.store, data_dirs=data_dirs,
                            show_progress=show)
@@ -103,11 +137,20 @@ def _stage_eval(recipe: Recipe, sd: StageDir, show: bool) -> dict[str, Any]:
                 if metric in agg:
                     summary[f"{tag}/{bench}/{metric}"] = agg[metric]
                     break
-    sd.finish({"models": models_to_evaluate(sd)}, summary)
+    sd.finish({"models": models}, summary)
     return summary
 
 
-def _stage_report(recipe: Recipe, sd: StageDir, show: bool) -> dict[str, Any]:
+def _inputs_report(recipe: Recipe, sd: StageDir) -> None:
+    store = sd.store
+    if store is not None and not any(st["status"] == "done" for st in store.stages(sd.run_id)) \
+            and not store.eval_sample_count(sd.run_id):
+        raise UserError(f"run '{sd.run_id}' has nothing to report: none of its stages has "
+                        "finished", hint=f"run the recipe first (pyvision run RECIPE --run-id "
+                                         f"{sd.run_id})")
+
+
+def _stage_report(recipe: Recipe, sd: StageDir, show: bool, _: Any) -> dict[str, Any]:
     from pipelines.report import write_report
 
     formats = [f for f in recipe.report.formats if f != "table"]
@@ -116,8 +159,14 @@ def _stage_report(recipe: Recipe, sd: StageDir, show: bool) -> dict[str, Any]:
     return written
 
 
-RUNNERS = {"data": _stage_data, "sft": _stage_sft, "rl": _stage_rl, "merge": _stage_merge,
-           "eval": _stage_eval, "report": _stage_report}
+def _no_inputs(recipe: Recipe, sd: StageDir) -> None:
+    return None
+
+
+STAGE_STEPS: dict[str, tuple[Callable[[Recipe, StageDir], Any], Callable[..., dict[str, Any]]]] = {
+    "data": (_no_inputs, _stage_data), "sft": (_inputs_sft, _stage_sft),
+    "rl": (_inputs_rl, _stage_rl), "merge": (_inputs_merge, _stage_merge),
+    "eval": (_inputs_eval, _stage_eval), "report": (_inputs_report, _stage_report)}
 
 
 def run_pipeline(recipe: Recipe, *, store: Any, run_id: str | None = None,
@@ -144,11 +193,13 @@ def run_pipeline(recipe: Recipe, *, store: Any, run_id: str | None = None,
             err.print(f"[dim][{i}/{len(selected)}] {stage}: already done, skipped{note}[/]")
             summary[stage] = {"status": "skipped", **done.summary}
             continue
+        prepare, run = STAGE_STEPS[stage]
+        inputs = prepare(recipe, sd)
         err.rule(f"[{i}/{len(selected)}] {stage}")
         start = time.monotonic()
         with sd.running(force=force, config_hint=f"pass --from {stage} --force to redo the stage "
                         "with the new config, or --run-id NEW for a separate run"):
-            result = RUNNERS[stage](recipe, sd, show_progress)
+            result = run(recipe, sd, show_progress, inputs)
         summary[stage] = {"status": "done", "seconds": round(time.monotonic() - start, 1),
                           **{k: v for k, v in (result or {}).items()
                              if isinstance(v, (int, float, str)) and not isinstance(v, bool)}}

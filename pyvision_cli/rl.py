@@ -6,6 +6,7 @@ from typing import Annotated, Literal
 
 import typer
 
+from pipelines.errors import UserError
 from pyvision_cli.common import (
     RERUN_CONFIG_HINT,
     ConfigOpt,
@@ -49,6 +50,10 @@ def rl(
     from pipelines.rundir import stage_dir
     from pipelines.store import Store
 
+    if sanity and dry_run:
+        raise UserError("--sanity and --dry-run cannot be combined: --sanity runs the local "
+                        "engine, --dry-run only writes verl's launch files",
+                        hint="pass one of them")
     overrides = list(set_ or []) + ([f"rl.engine={engine}"] if engine else [])
     recipe = load_recipe(config, overrides)
     sd = stage_dir(recipe, "rl", run_id, runs_dir=None, store=Store(store),

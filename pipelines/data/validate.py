@@ -41,6 +41,26 @@ def media_problem(path: Path) -> str | None:
     return None
 
 
+def check_media_decode(task_dirs: list[str | Path], what: str) -> None:
+    """Raise a :class:`DataError` for the first task (in file order) whose image or video does
+    not decode, before a long run starts on it (the RL stage would otherwise meet it mid-step).
+    Files are opened on a few threads: decoding releases the GIL."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    checks: list[tuple[str, Path]] = []
+    for d in task_dirs:
+        tasks, report = read_tasks(d)
+        root = Path(d) if Path(d).is_dir() else Path(d).parent
+        checks += [(f"{report.path}: row '{t.id}'", m) for t in tasks for m in t.media_paths(root)]
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        for (where, _), problem in zip(checks, pool.map(lambda c: media_problem(c[1]), checks)):
+            if problem:
+                raise DataError(f"{what}: {where}: {problem}",
+                                hint="replace the file or drop the row (`pyvision data validate "
+                                     "DIR` lists every bad row)")
+
+
 def validate_path(path: str | Path, *, strict: bool = False) -> dict[str, Any]:
     p = Path(path)
     is_conv = (p.is_dir() and (p / CONVERSATIONS_FILE).exists() and not (p / TASKS_FILE).exists()) \

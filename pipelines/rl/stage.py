@@ -41,6 +41,9 @@ def resolve_rl_inputs(recipe: Recipe, sd: StageDir, *, model: str | None = None,
     if not any(read_tasks(t, strict=True)[0] for t in task_dirs):
         raise UserError(f"no usable RL prompts in {', '.join(str(t) for t in task_dirs)}",
                         hint="check them with `pyvision data validate DIR`, or pass --tasks DIR")
+    from pipelines.data.validate import check_media_decode
+
+    check_media_decode(task_dirs, "RL prompts")
     return model, [str(t) for t in task_dirs]
 
 

@@ -103,6 +103,8 @@ def make_inputs(inp: Path) -> None:
     write_tasks(inp / "tasks-bomb", [task_row(0, image="media/bomb.png")],
                 media={"bomb.png": bomb_png()})
     write_tasks(inp / "tasks-empty", [])
+    write_tasks(inp / "tasks-corrupt-image", [task_row(0), task_row(1, image="media/bad.png")],
+                media={"a.png": png_bytes(), "bad.png": b"\x89PNG\r\n\x1a\n not really"})
     (inp / "model-empty").mkdir()
     (inp / "model-no-weights").mkdir()
     (inp / "model-no-weights" / "config.json").write_text('{"model_type": "qwen2_5_vl"}')
@@ -150,6 +152,9 @@ CASES: dict[str, Case] = {
     "set-out-of-bounds": Case("sft --set seed=-1", ("'seed'",)),
     "run-recipe-missing": Case("run {i}/nope.yaml", ("config file not found", "nope.yaml")),
     "run-bad-from": Case(f"run {TINY} --from training", ("'--from'", "training")),
+    "run-sft-without-data": Case(f"run {TINY} --run-id fresh --from sft --until sft", ("no base model for run 'fresh'",)),
+    "run-eval-without-models": Case(f"run {TINY} --run-id fresh --from eval --until eval", ("run 'fresh' has no model to evaluate",)),
+    "run-report-of-nothing": Case(f"run {TINY} --run-id fresh --from report", ("run 'fresh' has nothing to report",)),
     "run-from-after-until": Case(f"run {TINY} --from rl --until sft", ("--from rl comes after --until sft",)),
     # run ids: one rule for every command
     "eval-run-id-traversal": Case(f"{EVAL} {M_OK} --run-id ../../etc", ("../../etc", "not a valid run id")),
@@ -191,6 +196,8 @@ CASES: dict[str, Case] = {
     "rl-tasks-missing": Case(f"rl {M_OK} --tasks {{i}}/nope --run-id r1", ("tasks file not found", "nope")),
     "rl-tasks-empty": Case(f"rl {M_OK} --tasks {{i}}/tasks-empty --run-id r1", ("no usable RL prompts", "tasks-empty")),
     "rl-tasks-not-utf8": Case(f"rl {M_OK} --tasks {{i}}/tasks-latin1 --run-id r1", ("tasks.jsonl:2", "not UTF-8")),
+    "rl-tasks-corrupt-image": Case(f"rl {M_OK} --tasks {{i}}/tasks-corrupt-image --run-id r1", ("RL prompts", "row 't1'", "corrupt image", "bad.png")),
+    "rl-sanity-and-dry-run": Case("rl --sanity --dry-run", ("--sanity and --dry-run cannot be combined",)),
     "rl-no-model": Case("rl --run-id r1 --tasks {i}/tasks", ("no model to start RL from in run 'r1'", "--model")),
     "rl-unknown-engine": Case("rl --engine ray", ("'--engine'", "ray")),
     "sft-model-garbage": Case("sft --model {i}/model-garbage --dataset-dir {i}/sft-data --dataset pyvision_sft", ("model.safetensors", "no valid safetensors header")),
