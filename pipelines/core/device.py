@@ -39,3 +39,20 @@ def synchronize(model: Any) -> None:
     device = next(model.parameters()).device
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def free_memory_bytes(device: str) -> int | None:
+    """Memory free for new tensors on ``device``: the GPU's free memory, or the host's
+    ``MemAvailable``; None where it cannot be told."""
+    if device == "cuda":
+        import torch
+
+        return int(torch.cuda.mem_get_info()[0])
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None

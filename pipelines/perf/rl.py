@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pipelines.errors import UserError
+
 
 def run_benchmark(*, model: str | None = None, size: str = "small", tasks: str | None = None,
                   prompts: int = 4, n: int = 4, rounds: int = 2, threads: int = 1,
@@ -74,6 +76,7 @@ def run_benchmark(*, model: str | None = None, size: str = "small", tasks: str |
             from pipelines.models.tiny import build_shape_model
             from pipelines.rl.local import _freeze_vision
 
+            _check_shape_fits(shaped, device, torch_dtype(recipe.model.dtype, device))
             policy_model, processor = build_shape_model(
                 shaped, device=device, dtype=torch_dtype(recipe.model.dtype, device), seed=seed)
             if recipe.rl.freeze_vision_tower:  # as load_policy_model does
@@ -138,3 +141,22 @@ def run_benchmark(*, model: str | None = None, size: str = "small", tasks: str |
                    "model_tokens_per_s": round(upd["model_tokens"] / upd["seconds"], 1)},
         "model_build_s": round(build_s, 1),
     }
+
+
+def _check_shape_fits(name: str, device: str, dtype: Any) -> None:
+    """Refuse, before building it, a shape model whose weights alone do not fit in the device's
+    free memory (the 7B shape in fp32 on a 24 GB host would be killed by the kernel instead)."""
+    from pipelines.core.device import free_memory_bytes
+    from pipelines.models.tiny import build_shape_model
+
+    meta, _ = build_shape_model(name, device="meta", dtype=dtype)
+    need = sum(p.numel() * p.element_size() for p in meta.parameters())
+    free = free_memory_bytes(device)
+    if free is not None and need > free:
+        gib = 2 ** 30
+        where = "GPU" if device == "cuda" else "host"
+        raise UserError(f"the {name} shape's weights alone need {need / gib:.1f} GiB in "
+                        f"{str(dtype).removeprefix('torch.')}, and the {where} has "
+                        f"{free / gib:.1f} GiB free",
+                        hint="run it on a GPU with room for it (--device cuda), or measure a tiny "
+                             "model (--size small)")

@@ -505,6 +505,31 @@ def test_perf_rl_cuda_without_a_gpu_is_a_clear_error():
     assert "torch sees no GPU" in result.output
 
 
+def test_perf_rl_refuses_a_shape_model_that_does_not_fit(monkeypatch):
+    """The 7B shape is measured where its weights fit: elsewhere one line before anything is
+    built on the device (on a 24 GB host the kernel killed the fp32 build instead)."""
+    from typer.testing import CliRunner
+
+    from pipelines.core import device as device_mod
+    from pipelines.models import tiny
+    from pyvision_cli.perf import app
+
+    built: list[str] = []
+    real_build = tiny.build_shape_model
+
+    def recording_build(name, *, device, **kwargs):
+        built.append(device)
+        return real_build(name, device=device, **kwargs)
+
+    monkeypatch.setattr(tiny, "build_shape_model", recording_build)
+    monkeypatch.setattr(device_mod, "free_memory_bytes", lambda device: 2 ** 30)
+    result = CliRunner().invoke(app, ["rl", "--device", "cpu", "--size", "qwen2.5-vl-7b",
+                                      "--dtype", "bfloat16"])
+    assert result.exit_code == 2, result.output
+    assert "weights alone need 13." in result.output and "1.0 GiB free" in result.output
+    assert built == ["meta"]
+
+
 @pytest.mark.parametrize("dtype,merge,device", [
     ("float32", True, "cpu"), ("bfloat16", True, "cpu"), ("float32", False, "cpu"),
     pytest.param("bfloat16", True, "cuda", marks=[pytest.mark.gpu, ON_CUDA])])
