@@ -6,6 +6,7 @@ from typing import Annotated, Literal
 
 import typer
 
+from pipelines.errors import UserError
 from pyvision_cli.common import JsonOpt, SetOpt, command, err, make_app, print_json
 
 app = make_app("Benchmarks of the project's own speed (JSON with --json).", group=True)
@@ -65,6 +66,9 @@ def perf_eval(
     """
     from pipelines.perf.eval import run_benchmark
 
+    if n_image == n_video == 0:
+        raise UserError("nothing to measure: --n-image and --n-video are both 0",
+                        hint="pass --n-image N and/or --n-video N (N >= 1)")
     with err.status("measuring evaluation ..."):
         result = run_benchmark(n_image, n_video, size, max_new_tokens, max_turns, batch_size,
                                model_dir=model)

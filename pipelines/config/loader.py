@@ -110,7 +110,7 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if not p.exists():
         raise ConfigError(f"config file not found: {p}",
-                          hint="pass an existing recipe, e.g. -c pipelines/recipes/tiny-cpu.yaml")
+                          hint="pass an existing recipe file, e.g. pipelines/recipes/tiny-cpu.yaml")
     text = read_text(p, "config file", hint="pass a recipe YAML file, e.g. -c "
                      "pipelines/recipes/tiny-cpu.yaml")
     try:

@@ -166,7 +166,9 @@ def probe_path(path: str | Path, *, n: int = 100, seed: int = 1) -> dict[str, An
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     from pipelines.errors import UserError
+    from pipelines.inputs import check_model
 
+    check_model(str(path), "model")  # a missing folder is "not found", not a bad hub id
     try:
         processor = AutoProcessor.from_pretrained(path)
         model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)

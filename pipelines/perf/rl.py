@@ -42,8 +42,10 @@ def run_benchmark(*, model: str | None = None, size: str = "small", tasks: str |
     from pipelines.rl.local import LocalEngine, attach_lora, load_policy_model, load_rl_tasks
     from pipelines.rl.sampler import TaskSampler
 
+    # First, so that a bad --set fails before any model is built, and names only what the user
+    # passed (then again under the benchmark's own settings).
+    load_recipe(None, list(overrides))
     device = resolve_device(device)
-    # First, so that a bad --set fails before any model is built.
     recipe = load_recipe(None, [
         f"seed={seed}", f"model.device={device}", f"model.dtype={dtype}",
         f"rl.lora.rank={lora_rank}",

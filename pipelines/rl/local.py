@@ -89,7 +89,9 @@ def load_policy_model(recipe: Recipe, model_path: str) -> tuple[Any, Any]:
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     from pipelines.core.device import resolve_device, torch_dtype
+    from pipelines.inputs import check_model
 
+    check_model(model_path, "policy model")  # a missing folder is "not found", not a bad hub id
     device = resolve_device(recipe.model.device)
     dtype = torch_dtype(recipe.model.dtype, device)
     try:

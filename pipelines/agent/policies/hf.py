@@ -83,7 +83,9 @@ class HFPolicy:
 
         from pipelines.core.device import resolve_device, torch_dtype
         from pipelines.errors import UserError
+        from pipelines.inputs import check_model
 
+        check_model(str(path), "model")  # a missing folder is "not found", not a bad hub id
         device = resolve_device(device)
         try:
             processor = AutoProcessor.from_pretrained(path)
