@@ -73,6 +73,9 @@ def atomic_dir(path: str | Path, *, overwrite: bool = False) -> Iterator[Path]:
     ``path`` is untouched, so a crashed or interrupted writer never leaves a half-written output
     behind. The temp folder's name carries the writer's pid: one left by a writer killed outright
     is removed by the next writer of the same ``path``.
+
+    An existing empty folder at ``path`` (one made beforehand, e.g. by `mkdir`) holds nothing to
+    lose, so it is replaced even without ``overwrite``; anything else there needs ``overwrite``.
     """
     path = Path(path)
     made = [d for d in (path.parent, *path.parent.parents) if not d.exists()]
@@ -88,6 +91,8 @@ def atomic_dir(path: str | Path, *, overwrite: bool = False) -> Iterator[Path]:
             with contextlib.suppress(OSError):
                 folder.rmdir()
         raise
+    if path.is_dir() and not path.is_symlink() and not any(path.iterdir()):
+        path.rmdir()  # only now, so that a failed write leaves the folder as it was
     if path.exists():
         if not overwrite:
             shutil.rmtree(tmp, ignore_errors=True)

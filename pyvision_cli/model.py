@@ -86,6 +86,11 @@ def pretrain(
 
         raise UserError("the recipe has no `model.tiny` section to pretrain",
                         hint="use the default recipe, or --set model.tiny.size=small")
+    if out is not None:
+        from pipelines.inputs import check_writable_dir
+
+        # Before the store and the run folder: not a traceback after the whole pretraining.
+        check_writable_dir(out, "output folder")
     st = Store(store)
     sd = stage_dir(recipe, "pretrain", run_id or f"pretrain-{tiny.size}-s{tiny.seed}",
                    runs_dir=None, store=st, recipe_path=str(config) if config else None)

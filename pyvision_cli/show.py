@@ -47,6 +47,12 @@ def show(
     others = sorted({k.split("/", 1)[0] for k in [*models, a or "", b or ""] if "/" in k} - {run})
     ts = t.load(st, run, others)
     shown = t.Images(st, err, images, media_dir or Path(st.path).resolve().parent / "media")
+    if sample is not None and (shown.mode == "paths" or (json_out and shown.mode != "none")):
+        from pipelines.inputs import check_writable_dir
+
+        # Thumbnails will be written there: a bad folder is one line now, not a traceback
+        # half way through drawing the sample.
+        check_writable_dir(shown.media_dir, "--media-dir" if media_dir else "media folder")
     if changed:
         t.select(ts, models=[a, b], benchmark=benchmark)  # checks the names
         changes = verdict_changes(ts, a, b, benchmark)

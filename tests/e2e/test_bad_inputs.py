@@ -208,6 +208,10 @@ CASES: dict[str, Case] = {
     "agent-image-and-video": Case(f"agent run {M_OK} --question q --image {{i}}/good.png --video {{i}}/a.mp4", ("either --image",)),
     "agent-image-bomb": Case(f"agent run {M_OK} --question q --image {{i}}/bomb.png", ("bomb.png",)),
     "agent-image-corrupt": Case(f"agent run {M_OK} --question q --image {{i}}/corrupt.png", ("corrupt.png",)),
+    "agent-question-empty": Case(f"agent run {M_OK} --question '' --image {{i}}/good.png", ("--question is empty",)),
+    "agent-question-blank": Case(f"agent run {M_OK} --question '  ' --image {{i}}/good.png", ("--question is empty",)),
+    "agent-model-empty-text": Case("agent run --model '' --question q --image {i}/good.png", ("--model is empty",)),
+    "agent-served-model-empty": Case(f"agent run {M_OK} --question q --image {{i}}/good.png --served-model ''", ("--served-model is empty",)),
     "merge-no-lora": Case("merge --out {i}/merged", ("--engine lora needs --lora",)),
     "merge-unknown-engine": Case("merge --out {i}/merged --engine fsdp", ("'--engine'", "fsdp")),
     "tiny-unknown-size": Case("model tiny {i}/tiny --size huge", ("'--size'", "huge")),
@@ -465,3 +469,44 @@ def test_a_temp_folder_of_a_killed_writer_goes_with_the_next_write(tmp_path: Pat
     with pytest.raises(RuntimeError), atomic_dir(tmp_path / "a" / "b" / "new"):
         raise RuntimeError("failed half way")
     assert not (tmp_path / "a").exists()  # the folders made for it go too
+
+
+def test_an_existing_empty_folder_is_replaced_and_a_full_one_kept(tmp_path: Path):
+    from pipelines.fsutil import atomic_dir
+
+    empty, full = tmp_path / "empty", tmp_path / "full"
+    empty.mkdir()
+    (full / "mine").mkdir(parents=True)
+    with atomic_dir(empty) as tmp:
+        (tmp / "x").write_text("done")
+    assert (empty / "x").read_text() == "done"
+    with pytest.raises(FileExistsError), atomic_dir(full) as tmp:
+        (tmp / "x").write_text("done")
+    assert [p.name for p in full.iterdir()] == ["mine"]
+    (tmp_path / "failed").mkdir()
+    with pytest.raises(RuntimeError), atomic_dir(tmp_path / "failed"):
+        raise RuntimeError("failed half way")
+    assert (tmp_path / "failed").is_dir()  # kept as it was
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "failed", "full"]
+
+
+def test_synth_into_an_existing_empty_folder(tmp_path: Path):
+    (tmp_path / "s").mkdir()
+    result = runner.invoke(app, ["data", "synth", "--kind", "image-search", "--n", "2", "--out",
+                                 str(tmp_path / "s")])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "s" / "manifest.json").is_file()
+    assert len((tmp_path / "s" / "tasks.jsonl").read_text().splitlines()) == 2
+
+
+@pytest.mark.parametrize("out", ["{i}/a-file", "{i}/a-file/model"])
+def test_pretrain_out_is_checked_before_anything_is_written(out: str, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch):
+    import pipelines.models.pretrain
+
+    def no_training(*args, **kwargs):  # a missed check fails here at once, not after the run
+        raise AssertionError("pretraining started")
+
+    monkeypatch.setattr(pipelines.models.pretrain, "pretrain", no_training)
+    result, before, after = run_case(tmp_path, f"model pretrain --out {out}")
+    assert_clean(result, before, after, ("a-file", "is a file"))

@@ -336,6 +336,20 @@ def test_show_cli(evaluated, monkeypatch):
     assert missing.exit_code == 2 and "run 'nope' is not in the store" in missing.output
 
 
+@pytest.mark.parametrize(("media_dir", "extra"), [("a-file", []), ("a-file/media", ["--json"])])
+def test_show_media_dir_under_or_at_a_file_is_one_line(evaluated, tmp_path, media_dir, extra):
+    from pyvision_cli.show import app
+
+    (tmp_path / "a-file").write_text("not a folder\n")
+    result = CliRunner().invoke(app, [RUN, "--store", str(evaluated["store"].path), "--sample",
+                                      "sq0", "--images", "paths", "--media-dir",
+                                      str(tmp_path / media_dir), *extra])
+    assert result.exit_code == 2, result.output
+    (line,) = result.output.splitlines()
+    assert line.startswith("error: ") and "a-file" in line and "is a file" in line, line
+    assert (tmp_path / "a-file").read_text() == "not a folder\n"
+
+
 def test_inline_images_where_the_terminal_draws_them():
     from pipelines.report.terminal import inline_image, inline_protocol
 
