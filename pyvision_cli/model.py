@@ -75,6 +75,7 @@ def pretrain(
     model.pretrain.steps=500`). Checkpoints and the resolved config live in
     runs/<run-id>/pretrain/; loss per curriculum family streams into the store.
     """
+    from pipelines.models.pretrain import MANIFEST
     from pipelines.models.pretrain import pretrain as run_pretrain
     from pipelines.rundir import stage_dir
     from pipelines.store import Store
@@ -91,6 +92,12 @@ def pretrain(
 
         # Before the store and the run folder: not a traceback after the whole pretraining.
         check_writable_dir(out, "output folder")
+        if out.is_dir() and any(out.iterdir()) and not (out / MANIFEST).is_file() and not force:
+            from pipelines.errors import UserError
+
+            raise UserError(f"output folder {out} is not empty and holds no pretrained model (no "
+                            f"{MANIFEST}): the finished model would replace what is there",
+                            hint="pass a new or empty folder, or --force to replace it")
     st = Store(store)
     sd = stage_dir(recipe, "pretrain", run_id or f"pretrain-{tiny.size}-s{tiny.seed}",
                    runs_dir=None, store=st, recipe_path=str(config) if config else None)

@@ -499,8 +499,11 @@ def test_synth_into_an_existing_empty_folder(tmp_path: Path):
     assert len((tmp_path / "s" / "tasks.jsonl").read_text().splitlines()) == 2
 
 
-@pytest.mark.parametrize("out", ["{i}/a-file", "{i}/a-file/model"])
-def test_pretrain_out_is_checked_before_anything_is_written(out: str, tmp_path: Path,
+@pytest.mark.parametrize("out,names", [
+    ("{i}/a-file", ("a-file", "is a file")), ("{i}/a-file/model", ("a-file", "is a file")),
+    ("{i}/tasks", ("tasks", "is not empty and holds no pretrained model", "--force"))])
+def test_pretrain_out_is_checked_before_anything_is_written(out: str, names: tuple[str, ...],
+                                                            tmp_path: Path,
                                                             monkeypatch: pytest.MonkeyPatch):
     import pipelines.models.pretrain
 
@@ -509,4 +512,4 @@ def test_pretrain_out_is_checked_before_anything_is_written(out: str, tmp_path: 
 
     monkeypatch.setattr(pipelines.models.pretrain, "pretrain", no_training)
     result, before, after = run_case(tmp_path, f"model pretrain --out {out}")
-    assert_clean(result, before, after, ("a-file", "is a file"))
+    assert_clean(result, before, after, names)
