@@ -143,18 +143,30 @@ def clean_value(value: Any) -> Any:
     return value
 
 
+def parquet_rows(path: Path) -> Iterator[dict[str, Any]]:
+    """The rows of a parquet file, read in batches; a file pyarrow cannot read (truncated by a
+    broken download, or not parquet at all) is a DataError naming it, wherever it breaks."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        # Batches keep memory bounded: HR-Bench 8K parquet holds gigabytes of base64 images.
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=32):
+            yield from batch.to_pylist()
+    except (pa.ArrowException, OSError) as exc:
+        text = str(exc).strip()
+        reason = text.splitlines()[0].split(". ")[0].rstrip(".") if text else type(exc).__name__
+        raise DataError(f"{path} is not a readable parquet file ({reason})",
+                        hint="download it again (the copy is corrupt or truncated), or remove "
+                             "it if it is not part of the dataset") from None
+
+
 def _file_rows(path: Path) -> Iterator[Row]:
     suffix = path.suffix.lower()
     base = path.parent
     if suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        index = 0
-        # Batches keep memory bounded: HR-Bench 8K parquet holds gigabytes of base64 images.
-        for batch in pq.ParquetFile(path).iter_batches(batch_size=32):
-            for values in batch.to_pylist():
-                index += 1
-                yield Row(values, f"{path}:{index}", base)
+        for index, values in enumerate(parquet_rows(path), start=1):
+            yield Row(values, f"{path}:{index}", base)
     elif suffix == ".jsonl":
         with open(path, encoding="utf-8") as fh:
             for number, line in enumerate(fh, start=1):

@@ -140,3 +140,11 @@ def weights_fingerprint(model: str | Path) -> str | None:
                 fh.seek(offset)
                 digest.update(fh.read(_CHUNK))
     return digest.hexdigest()[:16]
+
+
+def keep_failed_log(log: Path, out: Path) -> Path:
+    """A copy of a failed merge's ``log`` beside ``out``, where the error can point (the log was
+    written in the output's temp folder, which goes with the failure)."""
+    kept = out.parent / f"{out.name}.merge-failed.log"
+    shutil.copy(log, kept)
+    return kept

@@ -25,7 +25,7 @@ from typing import Any
 
 from pipelines.core.modeldir import flatten_into, merge_peft, refuse_existing, verify_model_dir
 from pipelines.errors import SubprocessFailed, UserError
-from pipelines.fsutil import atomic_dir
+from pipelines.fsutil import atomic_dir, keep_failed_log
 from pipelines.sft import llamafactory as lf
 
 
@@ -49,8 +49,7 @@ def merge_verl(checkpoint: str | Path, out: str | Path, *, python: str = "python
             err.print("[red]verl.model_merger failed; last lines:[/]")
             for line in tail:
                 err.print(f"  {line}", markup=False)
-            kept = out.parent / f"{out.name}.merge-failed.log"
-            shutil.copy(log_path, kept)
+            kept = keep_failed_log(log_path, out)
             raise SubprocessFailed(f"verl.model_merger exited with code {proc.returncode} on {actor}; "
                                    f"log: {kept}", hint="check that the checkpoint is complete")
         if (tmp / "model" / "lora_adapter" / "adapter_config.json").is_file():

@@ -164,7 +164,12 @@ def export(
     json_out: JsonOpt = False,
 ) -> None:
     """LLaMA-Factory sharegpt + dataset_info.json, or verl RL parquet."""
-    from pipelines.errors import UserError
+    from collections import Counter
+
+    from rich.markup import escape
+
+    from pipelines.data.validate import skipped_rows
+    from pipelines.errors import DataError, UserError
     from pipelines.inputs import check_writable_dir
 
     check_writable_dir(out, "output folder")
@@ -173,11 +178,17 @@ def export(
         from pipelines.core.records import read_conversations
         from pipelines.data.export_llamafactory import export_llamafactory
 
-        sources = []
+        sources, skipped, problems = [], Counter(), []
         for s in source:
-            convs, _report = read_conversations(s)
+            convs, report = read_conversations(s)
+            skipped.update(report.skipped)
+            problems += report.problems
             root = s if s.is_dir() else s.parent
             sources.append((root, convs))
+        if not any(convs for _root, convs in sources):
+            raise DataError(f"no usable conversation in {', '.join(str(s) for s in source)}"
+                            + (f" ({skipped_rows(skipped, problems)})" if skipped else ""),
+                            hint="check the folders with `pyvision data validate DIR`")
         if copy_drills:
             from pipelines.data.drills import copy_drills as make_drills
 
@@ -189,9 +200,15 @@ def export(
 
         recipe = load_recipe(config, set_)
         info = export_verl(source, out, name=name, agent_cfg=recipe.agent)
+        skipped, problems = info["skipped"], info["problems"]
     else:
         raise UserError(f"unknown --format '{fmt}'", hint="use llamafactory or verl")
-    err.print(f"[green]exported[/] {info}")
+    if skipped:
+        err.print(f"[yellow]warning:[/] {escape(skipped_rows(skipped, problems))}",
+                  soft_wrap=True, highlight=False)
+    # The problems are named in the warning (the first) and in --json (all): not again here.
+    shown = {k: v for k, v in info.items() if k != "problems"}
+    err.print(f"[green]exported[/] {shown}")
     if json_out:
         print_json(info)
 

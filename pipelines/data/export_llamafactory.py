@@ -102,8 +102,7 @@ def export_llamafactory(sources: Iterable[tuple[Path, Iterable[Conversation]]], 
     context size. Returns ``{"dataset_dir", "dataset", "rows", "images", "videos",
     "images_resized"}``.
     """
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = Path(out)  # made by the first file written: an export that fails early leaves none
     lines, n_img, n_vid, has_video = [], 0, 0, False
     counts: dict[str, int] = {"images_resized": 0}
     for root, convs in sources:

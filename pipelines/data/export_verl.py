@@ -52,6 +52,7 @@ from pipelines.core.records import (
     Task,
     read_tasks,
 )
+from pipelines.data.validate import skipped_rows
 from pipelines.errors import DataError
 from pipelines.fsutil import atomic_dir
 
@@ -280,19 +281,19 @@ def _export(sources: Sequence[str | Path], out: str | Path, *, name: str,
                       frames_final=frames_final, counts=counts, reports=reports)
         val = _rows(val_sources, agent_cfg, split="val", strict=strict, frames_dir=frames_tmp / "val",
                     frames_final=frames_final / "val", counts=counts, reports=reports)
+        skipped: Counter = Counter()
+        for r in reports:
+            skipped.update(r.skipped)
+        problems = [p for r in reports for p in r.problems]
         if not train:
-            problems = [p for r in reports for p in r.problems][:3]
             raise DataError(f"no usable task in {', '.join(str(s) for s in sources)}"
-                            + (f" ({'; '.join(problems)})" if problems else ""),
+                            + (f" ({skipped_rows(skipped, problems)})" if skipped else ""),
                             hint="check the folders with `pyvision data validate DIR`")
         train_path = _write_parquet(train, out / f"{name}.parquet")
         val_path = _write_parquet(val, out / f"{name}_val.parquet") if val else None
     if not any(frames_final.iterdir()):
         frames_final.rmdir()
-    skipped: Counter = Counter()
-    for r in reports:
-        skipped.update(r.skipped)
     return {"train": str(train_path), "val": str(val_path) if val_path else None,
             "rows": len(train), "val_rows": len(val), "prompts": dict(counts),
             "read": sum(r.read for r in reports), "skipped": dict(skipped),
-            "problems": [p for r in reports for p in r.problems][:20]}
+            "problems": problems[:20]}

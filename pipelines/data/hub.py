@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import tarfile
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -197,10 +198,9 @@ def _load_rows(from_dir: Path, patterns: Iterable[str]) -> list[tuple[str, int, 
                     except json.JSONDecodeError as exc:
                         rows.append((str(f), i + 1, exc))
         elif f.suffix == ".parquet":
-            import pyarrow.parquet as pq
+            from benchmarks.sources import parquet_rows
 
-            for i, r in enumerate(pq.read_table(f).to_pylist()):
-                rows.append((str(f), i + 1, r))
+            rows += [(str(f), i, r) for i, r in enumerate(parquet_rows(f), start=1)]
     return rows
 
 
@@ -335,10 +335,27 @@ def import_dataset(name: str, from_dir: str | Path, out: str | Path, *,
     if not from_dir.is_dir():
         raise DataError(f"--from-dir {from_dir} is not a folder",
                         hint=f"pass the folder holding the downloaded copy of {ds.repo_id}")
-    out.mkdir(parents=True, exist_ok=True)
+    # A failed import leaves no folder behind: the outermost folder it made is removed (an
+    # existing --out, such as download's, keeps what it held). Not a temp folder renamed into
+    # place: the tasks of evaluation sets carry absolute paths to their media.
+    made = next((d for d in reversed((out, *out.parents)) if not d.exists()), None)
+    try:
+        return _import(ds, from_dir, out, strict=strict)
+    except BaseException:
+        if made is not None:
+            shutil.rmtree(made, ignore_errors=True)
+        raise
+
+
+def _import(ds: HubDataset, from_dir: Path, out: Path, *, strict: bool) -> dict[str, Any]:
     start = time.monotonic()
     if ds.kind == "eval":
         return _import_eval(ds, from_dir, out, strict=strict)
+    rows = _load_rows(from_dir, ("*.json", "*.jsonl", "*.parquet"))
+    if not rows:
+        raise DataError(f"no data files (*.json, *.jsonl, *.parquet) under {from_dir}",
+                        hint=f"pass the folder holding the downloaded copy of {ds.repo_id}")
+    out.mkdir(parents=True, exist_ok=True)
     _link_media(from_dir, out)
     media = _MediaIndex(from_dir)
     report = ReadReport(str(from_dir))
@@ -348,10 +365,6 @@ def import_dataset(name: str, from_dir: str | Path, out: str | Path, *,
             raise DataError(f"{where}: {detail}", hint="fix the row or import without --strict")
         report.skip(reason, where, detail)
 
-    rows = _load_rows(from_dir, ("*.json", "*.jsonl", "*.parquet"))
-    if not rows:
-        raise DataError(f"no data files (*.json, *.jsonl, *.parquet) under {from_dir}",
-                        hint=f"pass the folder holding the downloaded copy of {ds.repo_id}")
     if ds.kind == "sft":
         records = _convert_sft(rows, media, out, report, bad)
         write_conversations(out / "conversations.jsonl", records)

@@ -8,6 +8,7 @@ check that each media file actually decodes (a truncated PNG or an mp4 without f
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,17 @@ def check_media_decode(task_dirs: list[str | Path], what: str) -> None:
                 raise DataError(f"{what}: {where}: {problem}",
                                 hint="replace the file or drop the row (`pyvision data validate "
                                      "DIR` lists every bad row)")
+
+
+def skipped_rows(skipped: Mapping[str, int], problems: Sequence[str]) -> str:
+    """One line on the rows a validating read skipped (a ReadReport's ``skipped`` and
+    ``problems``): how many, by reason, and the first with its place, e.g. ``skipped 3 rows:
+    2 missing_media, 1 malformed_json; first: data/tasks.jsonl:2: missing media file ...``."""
+    n = sum(skipped.values())
+    reasons = ", ".join(f"{count} {reason}" for reason, count in
+                        sorted(skipped.items(), key=lambda item: (-item[1], item[0])))
+    first = f"; first: {problems[0]}" if problems else ""
+    return f"skipped {n} row{'' if n == 1 else 's'}: {reasons}{first}"
 
 
 def validate_path(path: str | Path, *, strict: bool = False) -> dict[str, Any]:

@@ -22,8 +22,9 @@ from pipelines.core.modeldir import (
     refuse_existing,
     verify_model_dir,
 )
-from pipelines.errors import UserError
-from pipelines.fsutil import atomic_dir, atomic_write_text
+from pipelines.errors import SubprocessFailed, UserError
+from pipelines.fsutil import atomic_dir, atomic_write_text, keep_failed_log
+from pipelines.inputs import read_text
 from pipelines.sft import llamafactory as lf
 
 # Model types whose LLaMA-Factory chat template is unambiguous. Qwen3-VL is not among them: its
@@ -59,16 +60,44 @@ def adapter_template(adapter: Path, base: str | Path) -> str:
                          "for Qwen3-VL Thinking")
 
 
+def check_adapter(adapter: Path) -> None:
+    """``adapter`` holds an ``adapter_config.json`` that peft can load: a JSON object with a LORA
+    ``peft_type`` and a positive rank ``r``. Checked before merging, so a broken file is one line
+    that names it, not LLaMA-Factory's traceback."""
+    config = adapter / "adapter_config.json"
+    if not config.is_file():
+        raise UserError(f"{adapter} is not a LoRA adapter (no adapter_config.json)",
+                        hint="pass the SFT output folder of a finetuning_type: lora run")
+    fix = "restore it from the run that trained the adapter (peft writes it beside the weights)"
+    try:
+        parsed = json.loads(read_text(config, "adapter config"))
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{config}:{exc.lineno}: malformed JSON ({exc.msg})", hint=fix) from None
+    if not isinstance(parsed, dict):
+        raise UserError(f"{config} is not a JSON object", hint=fix)
+    missing = [key for key in ("peft_type", "r") if key not in parsed]
+    if missing:
+        raise UserError(f"{config} has no '{missing[0]}' (a LoRA adapter's config names its "
+                        "peft_type and rank r)", hint=fix)
+    if parsed["peft_type"] != "LORA":
+        raise UserError(f"{config}: peft_type is {parsed['peft_type']!r}, not 'LORA'",
+                        hint="pass a LoRA adapter (other peft methods cannot be merged here)")
+    if type(parsed["r"]) is not int or parsed["r"] < 1:
+        raise UserError(f"{config}: the rank r is {parsed['r']!r}, not a positive integer",
+                        hint=fix)
+
+
 def merge_lora(adapter: str | Path, base: str | Path, out: str | Path, *, python: str = "python",
                template: str | None = None, force: bool = False) -> dict[str, Any]:
     """Merge a LoRA adapter into its base model with LLaMA-Factory's export; verify; return info.
     ``template`` is the LLaMA-Factory chat template of the SFT run (:func:`adapter_template`
     when not given)."""
-    adapter, out = Path(adapter), Path(out)
-    if not (adapter / "adapter_config.json").is_file():
-        raise UserError(f"{adapter} is not a LoRA adapter (no adapter_config.json)",
-                        hint="pass the SFT output folder of a finetuning_type: lora run")
-    if not Path(str(base)).exists() and str(base).count("/") != 1:
+    # LLaMA-Factory runs in the output's temp folder: the local paths it is given are absolute.
+    adapter, out = Path(adapter).absolute(), Path(out).absolute()
+    check_adapter(adapter)
+    if Path(str(base)).exists():
+        base = Path(base).absolute()
+    elif str(base).count("/") != 1:
         raise UserError(f"base model not found: {base}", hint="pass a local model folder or a "
                         "hub id such as Qwen/Qwen2.5-VL-7B-Instruct")
     refuse_existing(out, force)
@@ -93,8 +122,16 @@ def merge_lora(adapter: str | Path, base: str | Path, out: str | Path, *, python
             "export_legacy_format": False,
         }
         cfg_path = atomic_write_text(tmp / lf.EXPORT_YAML, yaml.safe_dump(export, sort_keys=False))
-        lf.run_llamafactory("export", cfg_path, python=lf.python_for(python),
-                            log_path=tmp / "merge.log")
+        try:
+            lf.run_llamafactory("export", cfg_path, python=lf.python_for(python),
+                                log_path=tmp / "merge.log")
+        except SubprocessFailed:
+            kept = keep_failed_log(tmp / "merge.log", out)
+            raise SubprocessFailed(f"LLaMA-Factory export could not merge {adapter} into {base}; "
+                                   f"log: {kept}",
+                                   hint="read the log tail above; check that the adapter was "
+                                        "trained on this base model with this chat template "
+                                        "(--template)") from None
         info = verify_model_dir(tmp / "model")
         flatten_into(tmp, "model")
         info["path"] = str(out)

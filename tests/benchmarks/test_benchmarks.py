@@ -334,6 +334,18 @@ def test_missing_column_is_a_data_error_with_location(tmp_path: Path) -> None:
         get_benchmark("vstar").load(data_dir=tmp_path, cache_dir=tmp_path / "cache")
 
 
+@pytest.mark.parametrize("damage", ["garbage", "truncated"])
+def test_corrupt_parquet_is_a_data_error_naming_the_file(tmp_path: Path, damage: str) -> None:
+    data = make_hrbench_dir(tmp_path / "copy")
+    parquet = data / "hrbench_version_split" / "hrbench_4k-00000-of-00001.parquet"
+    whole = parquet.read_bytes()
+    parquet.write_bytes(bytes(range(256)) * 8 if damage == "garbage" else whole[: len(whole) // 2])
+    with pytest.raises(DataError, match=r"hrbench_4k-00000-of-00001\.parquet is not a readable "
+                                        r"parquet file") as caught:
+        get_benchmark("hrbench4k").load(data_dir=data, cache_dir=tmp_path / "cache")
+    assert "download it again" in caught.value.hint
+
+
 def test_corrupt_inline_image_is_a_data_error(tmp_path: Path) -> None:
     rows = hrbench_rows()[:1]
     rows[0]["image"] = base64.b64encode(b"not an image at all").decode()

@@ -123,6 +123,15 @@ def make_inputs(inp: Path) -> None:
     (inp / "sft-data" / "dataset_info.json").write_text('{"pyvision_sft": {"file_name": "t.jsonl"}}')
     (inp / "sft-data-broken").mkdir()
     (inp / "sft-data-broken" / "dataset_info.json").write_text('{"pyvision_sft": ')
+    (inp / "corrupt-parquet").mkdir()
+    (inp / "corrupt-parquet" / "test-00000-of-00001.parquet").write_bytes(bytes(range(256)) * 8)
+    (inp / "vstar-no-label").mkdir()
+    (inp / "vstar-no-label" / "test.jsonl").write_text(
+        '{"question_id": 0, "text": "Which? (A) x (B) y", "category": "direct_attributes"}\n')
+    (inp / "conversations-broken").mkdir()
+    (inp / "conversations-broken" / "conversations.jsonl").write_text('{"id": "c1", "messages": [\n')
+    (inp / "lora-broken").mkdir()
+    (inp / "lora-broken" / "adapter_config.json").write_text('{"peft_type": "LORA", "r": ')
 
 
 @dataclass(frozen=True)
@@ -180,6 +189,7 @@ CASES: dict[str, Case] = {
     "eval-tasks-broken-json": Case(f"eval -c {TINY} {M_OK} --benchmarks synth-image --data-dir {{i}}/tasks-broken-json", ("tasks.jsonl:2", "malformed JSON")),
     "eval-tasks-not-utf8": Case(f"eval -c {TINY} {M_OK} --benchmarks synth-image --data-dir {{i}}/tasks-latin1", ("tasks.jsonl:2", "not UTF-8")),
     "eval-tasks-missing-media": Case(f"eval -c {TINY} {M_OK} --benchmarks synth-image --data-dir {{i}}/tasks-missing-media", ("tasks.jsonl:1", "nope.png")),
+    "eval-corrupt-parquet": Case(f"eval -c {TINY} {M_OK} --benchmarks vstar --data-dir {{i}}/corrupt-parquet", ("test-00000-of-00001.parquet", "not a readable parquet file")),
     "eval-decompression-bomb": Case(f"eval -c {TINY} {M_OK} --benchmarks synth-image --data-dir {{i}}/tasks-bomb", ("bomb.png", "cannot be read")),
     "eval-include-path-without-lmms": Case(f"{EVAL} {M_OK} --include-path {{i}}", ("--include-path only applies",)),
     # models
@@ -214,6 +224,7 @@ CASES: dict[str, Case] = {
     "agent-served-model-empty": Case(f"agent run {M_OK} --question q --image {{i}}/good.png --served-model ''", ("--served-model is empty",)),
     "merge-no-lora": Case("merge --out {i}/merged", ("--engine lora needs --lora",)),
     "merge-unknown-engine": Case("merge --out {i}/merged --engine fsdp", ("'--engine'", "fsdp")),
+    "merge-adapter-config-broken": Case("merge --out {i}/merged --lora {i}/lora-broken --base {i}/model-ok", ("lora-broken/adapter_config.json:1", "malformed JSON")),
     "tiny-unknown-size": Case("model tiny {i}/tiny --size huge", ("'--size'", "huge")),
     "tiny-out-is-file": Case("model tiny {i}/a-file", ("a-file", "is a file")),
     "tiny-out-under-file": Case("model tiny {i}/a-file/model", ("a-file", "is a file")),
@@ -249,6 +260,11 @@ CASES: dict[str, Case] = {
     "export-out-is-file": Case("data export --format verl --source {i}/tasks --out {i}/a-file", ("a-file", "is a file")),
     "download-unknown": Case("data download vstar2 --out {i}/d", ("vstar2",)),
     "import-from-missing": Case("data import vstar --from-dir {i}/nope --out {i}/d", ("nope",)),
+    "import-from-empty": Case("data import vstar --from-dir {i}/store-dir --out {i}/d", ("no data for 'vstar'", "store-dir")),
+    "import-missing-column": Case("data import vstar --from-dir {i}/vstar-no-label --out {i}/d", ("test.jsonl:1", "missing column 'label'")),
+    "import-corrupt-parquet": Case("data import hrbench --from-dir {i}/corrupt-parquet --out {i}/d", ("test-00000-of-00001.parquet", "not a readable parquet file")),
+    "export-llamafactory-no-usable-row": Case("data export --format llamafactory --source {i}/conversations-broken --out {i}/x", ("no usable conversation", "conversations.jsonl:1", "malformed_json")),
+    "export-verl-no-usable-row": Case("data export --format verl --source {i}/tasks-missing-media --out {i}/x", ("no usable task", "tasks.jsonl:1", "missing_media")),
     # sandbox
     "sandbox-code-not-utf8": Case("sandbox run {i}/code-latin1.py", ("code-latin1.py:1", "not UTF-8")),
     "sandbox-code-missing": Case("sandbox run {i}/nope.py", ("code file not found",)),

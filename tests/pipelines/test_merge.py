@@ -254,3 +254,73 @@ def test_adapter_template_falls_back_to_the_base_and_asks_when_it_cannot_tell(ti
     (adapter / "training_args.yaml").write_text("template: [unclosed\n")
     with pytest.raises(UserError, match="training_args.yaml is not valid YAML"):
         adapter_template(adapter, qwen3)
+
+
+def _base(folder):
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen2_5_vl"}))
+    return folder
+
+
+@pytest.mark.parametrize("config,match", [
+    ('{"peft_type": "LORA", "r": ', r"adapter_config\.json:1: malformed JSON"),
+    ('["LORA"]', r"adapter_config\.json is not a JSON object"),
+    ('{"r": 4}', r"adapter_config\.json has no 'peft_type'"),
+    ('{"peft_type": "LORA"}', r"adapter_config\.json has no 'r'"),
+    ('{"peft_type": "IA3", "r": 4}', r"peft_type is 'IA3', not 'LORA'"),
+    ('{"peft_type": "LORA", "r": 0}', r"the rank r is 0, not a positive integer"),
+])
+def test_a_broken_adapter_config_is_one_error_before_llamafactory_runs(tmp_path, monkeypatch,
+                                                                       config, match):
+    adapter = tmp_path / "lora"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(config)
+    monkeypatch.setattr(lora_mod.lf, "run_llamafactory",
+                        lambda *a, **k: pytest.fail("LLaMA-Factory ran on a broken adapter"))
+    with pytest.raises(UserError, match=match) as caught:
+        merge_lora(adapter, _base(tmp_path / "base"), tmp_path / "merged", template="qwen2_vl")
+    assert str(adapter / "adapter_config.json") in str(caught.value)
+    assert not (tmp_path / "merged").exists()
+
+
+def test_a_failed_export_keeps_its_log_beside_out_and_gives_a_merge_hint(tmp_path, monkeypatch):
+    """The log named in the error exists after the failure (not in the removed temp folder), and
+    the hint is a merge's (LLaMA-Factory's training hint suggests --resume, which merge lacks)."""
+    from pipelines.sft.llamafactory import run_streaming
+
+    def failing_export(command, cfg_path, *, python, log_path, **kwargs):
+        run_streaming(["sh", "-c", "echo adapter shapes do not match; exit 3"], name="export",
+                      cwd=cfg_path.parent, log_path=log_path, missing_hint="-",
+                      failure_hint="add --resume")
+
+    monkeypatch.setattr(lora_mod.lf, "run_llamafactory", failing_export)
+    out = tmp_path / "merged"
+    with pytest.raises(SubprocessFailed) as caught:
+        merge_lora(_adapter(tmp_path / "lora"), _base(tmp_path / "base"), out,
+                   template="qwen2_vl")
+    kept = tmp_path / "merged.merge-failed.log"
+    assert f"log: {kept}" in str(caught.value) and "--resume" not in str(caught.value)
+    assert "adapter shapes do not match" in kept.read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["base", "lora", "merged.merge-failed.log"]
+
+
+def test_merge_lora_gives_llamafactory_absolute_paths(tmp_path, monkeypatch):
+    """LLaMA-Factory runs in the output's temp folder: relative --lora/--base/--out given on the
+    command line must reach it as absolute paths."""
+    _adapter(tmp_path / "lora")
+    _base(tmp_path / "base")
+    seen = []
+
+    def fake_export(command, cfg_path, **kwargs):
+        seen.append((cfg_path, yaml.safe_load(cfg_path.read_text())))
+        raise UserError("export stopped by the test")
+
+    monkeypatch.setattr(lora_mod.lf, "run_llamafactory", fake_export)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match="stopped by the test"):
+        merge_lora("lora", "base", "merged", template="qwen2_vl")
+    cfg_path, export = seen[0]
+    assert cfg_path.is_absolute()
+    for key in ("model_name_or_path", "adapter_name_or_path", "export_dir"):
+        assert export[key].startswith("/"), (key, export[key])
+    assert export["adapter_name_or_path"] == str(tmp_path / "lora")

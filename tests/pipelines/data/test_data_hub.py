@@ -149,3 +149,67 @@ def test_export_llamafactory_layout(tmp_path):
         Message(role="user", content="<image>q"), Message(role="assistant", content="a")])
     with pytest.raises(DataError, match="1 <image> placeholders but 0 images"):
         export_llamafactory([(src, [bad])], out)
+
+
+def _corrupt_parquet(folder: Path) -> None:
+    folder.mkdir(parents=True)
+    (folder / "test-00000-of-00001.parquet").write_bytes(bytes(range(256)) * 8)
+
+
+def _vstar_without_label(folder: Path) -> None:
+    folder.mkdir(parents=True)
+    (folder / "test.jsonl").write_text(json.dumps({"question_id": 0, "text": "Which? (A) x (B) y",
+                                                   "category": "direct_attributes"}) + "\n")
+
+
+@pytest.mark.parametrize("name,make,match", [
+    ("hrbench", _corrupt_parquet, r"test-00000-of-00001\.parquet is not a readable parquet file"),
+    ("pyvision-image-rl", _corrupt_parquet, r"test-00000-of-00001\.parquet is not a readable"),
+    ("vstar", Path.mkdir, "no data for 'vstar'"),
+    ("vstar", _vstar_without_label, r"test\.jsonl:1: missing column 'label'"),
+])
+def test_a_failed_import_leaves_no_output_behind(tmp_path, name, make, match):
+    make(tmp_path / "copy")
+    with pytest.raises(DataError, match=match):
+        hub.import_dataset(name, tmp_path / "copy", tmp_path / "new" / "out")
+    assert not (tmp_path / "new").exists()  # nor the parent folder the import would have made
+    existing = tmp_path / "existing"
+    (existing / "raw").mkdir(parents=True)  # e.g. `data download`'s files
+    with pytest.raises(DataError, match=match):
+        hub.import_dataset(name, tmp_path / "copy", existing)
+    assert [p.name for p in existing.iterdir()] == ["raw"]
+
+
+def _conversations(folder: Path, lines: list[str]) -> Path:
+    _img(folder / "media" / "a.png", size=(28, 28))
+    (folder / "conversations.jsonl").write_text("\n".join(lines) + "\n")
+    return folder
+
+
+GOOD_CONVERSATION = json.dumps({"id": "c1", "data_source": "synth", "images": ["media/a.png"],
+                                "messages": [{"role": "user", "content": "<image>Colour?"},
+                                             {"role": "assistant", "content": "red"}]})
+
+
+def test_cli_export_llamafactory_names_skipped_rows_and_fails_when_none_is_left(tmp_path):
+    from typer.testing import CliRunner
+
+    from pyvision_cli.main import app
+
+    runner = CliRunner()
+    src = _conversations(tmp_path / "src", [GOOD_CONVERSATION, '{"id": "c2", "messages": ['])
+    out = tmp_path / "lf"
+    result = runner.invoke(app, ["data", "export", "--format", "llamafactory", "--source",
+                                 str(src), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert (f"warning: skipped 1 row: 1 malformed_json; first: {src / 'conversations.jsonl'}:2: "
+            "malformed JSON") in result.stderr.replace("\n", "")
+    assert len((out / "pyvision_sft.jsonl").read_text().splitlines()) == 1
+    bad = _conversations(tmp_path / "bad", ['{"id": "c2", "messages": ['])
+    result = runner.invoke(app, ["data", "export", "--format", "llamafactory", "--source",
+                                 str(bad), "--out", str(tmp_path / "none")])
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: no usable conversation in {bad} "
+                                                   "(skipped 1 row: 1 malformed_json; first: ")
+    assert not (tmp_path / "none").exists()

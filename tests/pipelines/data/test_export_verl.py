@@ -158,6 +158,31 @@ def test_cli_export_verl(task_dirs, tmp_path):
     assert result.exit_code == 2 and "tasks file not found" in result.output
 
 
+def test_cli_export_verl_names_skipped_rows_in_one_line(task_dirs, tmp_path):
+    from pyvision_cli.main import app
+
+    runner = CliRunner()
+    src = _bad_tasks(tmp_path / "bad", task_dirs[0])
+    result = runner.invoke(app, ["data", "export", "--format", "verl", "--source", str(src),
+                                 "--out", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    warning = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+    assert warning == [
+        ("warning: skipped 3 rows: 1 malformed_json, 1 missing_media, 1 placeholder_mismatch; "
+         f"first: {src / 'tasks.jsonl'}:2: missing media file {tmp_path / 'bad' / 'nope.png'}")]
+    assert "problems" not in result.stderr  # named once, in the warning
+    (src / "tasks.jsonl").write_text("\n".join(
+        (src / "tasks.jsonl").read_text().splitlines()[1:]) + "\n")  # no good row left
+    result = runner.invoke(app, ["data", "export", "--format", "verl", "--source", str(src),
+                                 "--out", str(tmp_path / "none")])
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        f"error: no usable task in {src} (skipped 3 rows: 1 malformed_json, 1 missing_media, "
+        f"1 placeholder_mismatch; first: {src / 'tasks.jsonl'}:1: missing media file")
+    assert not (tmp_path / "none").exists()
+
+
 def test_parallel_export_writes_the_same_rows(task_dirs, tmp_path, monkeypatch):
     import pyarrow.parquet as pq
 
