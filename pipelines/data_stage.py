@@ -68,6 +68,16 @@ def tiny_base(recipe: Recipe, model_dir: Path, conversations: list, sd: StageDir
                              force=True)
 
 
+def check_data_inputs(recipe: Recipe) -> None:
+    """What the data stage can check before it writes: the base model it will hand to SFT when
+    the recipe builds no tiny one (a local folder must exist and look loadable; a hub id is
+    resolved by SFT)."""
+    if recipe.model.tiny is None:
+        from pipelines.inputs import check_model
+
+        check_model(recipe.model.base, "model.base")
+
+
 def run_data_stage(recipe: Recipe, sd: StageDir, *, show_progress: bool = True) -> dict[str, Any]:
     from pipelines.data.export_llamafactory import export_llamafactory
     from pipelines.data.synth import synthesize

@@ -29,6 +29,12 @@ from pipelines.rundir import STAGES, StageDir, stage_dir
 # or store row left behind); ``run`` does the work with what ``prepare`` returned.
 
 
+def _inputs_data(recipe: Recipe, sd: StageDir) -> None:
+    from pipelines.data_stage import check_data_inputs
+
+    check_data_inputs(recipe)
+
+
 def _stage_data(recipe: Recipe, sd: StageDir, show: bool, _: Any) -> dict[str, Any]:
     from pipelines.data_stage import run_data_stage
 
@@ -159,12 +165,8 @@ def _stage_report(recipe: Recipe, sd: StageDir, show: bool, _: Any) -> dict[str,
     return written
 
 
-def _no_inputs(recipe: Recipe, sd: StageDir) -> None:
-    return None
-
-
 STAGE_STEPS: dict[str, tuple[Callable[[Recipe, StageDir], Any], Callable[..., dict[str, Any]]]] = {
-    "data": (_no_inputs, _stage_data), "sft": (_inputs_sft, _stage_sft),
+    "data": (_inputs_data, _stage_data), "sft": (_inputs_sft, _stage_sft),
     "rl": (_inputs_rl, _stage_rl), "merge": (_inputs_merge, _stage_merge),
     "eval": (_inputs_eval, _stage_eval), "report": (_inputs_report, _stage_report)}
 

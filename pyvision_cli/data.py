@@ -261,11 +261,12 @@ def prepare(
     json_out: JsonOpt = False,
 ) -> None:
     """The recipe's data stage: synthetic sets, trajectories, base model, LLaMA-Factory export."""
-    from pipelines.data_stage import run_data_stage
+    from pipelines.data_stage import check_data_inputs, run_data_stage
     from pipelines.rundir import stage_dir
     from pipelines.store import Store
 
     recipe = load_recipe(config, set_)
+    check_data_inputs(recipe)
     sd = stage_dir(recipe, "data", run_id, runs_dir=None, store=Store(store),
                    recipe_path=str(config) if config else None)
     done = sd.finished(redo=force)

@@ -170,6 +170,8 @@ CASES: dict[str, Case] = {
     "rl-run-id-space": Case("rl --run-id 'a b'", ("'a b'", "not a valid run id")),
     "sft-run-id-empty": Case("sft --run-id ''", ("not a valid run id",)),
     "run-run-id-slash": Case(f"run {TINY} --run-id a/b", ("'a/b'", "not a valid run id")),
+    "prepare-base-model-missing": Case("data prepare --run-id p1 --set model.tiny=null --set model.base={i}/nope", ("model.base not found", "nope")),
+    "run-base-model-missing": Case(f"run {TINY} --run-id p1 --set model.tiny=null --set model.base={{i}}/model-empty", ("model.base folder", "model-empty", "is empty")),
     "prepare-run-id-dots": Case("data prepare --run-id ..", ("'..'", "not a valid run id")),
     "score-run-id-traversal": Case("eval score --benchmark vstar --run-id ../x", ("'../x'", "not a valid run id")),
     "eval-run-id-newline": Case(f"{EVAL} {M_OK} --run-id $'a\\nb'", ("not a valid run id",)),
