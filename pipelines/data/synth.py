@@ -68,6 +68,10 @@ def synthesize(kind: str, n: int, seed: int, out: str | Path, *, split: str = "t
     if (out / "manifest.json").exists() and not force:
         raise UserError(f"{out} already holds a finished synthetic set",
                         hint="pass --force to regenerate it, or another --out")
+    if out.is_dir():  # anything else there would be replaced only at the end: refused now
+        from pipelines.core.modeldir import refuse_existing
+
+        refuse_existing(out, force)
     from pipelines.inputs import check_free_space, check_writable_dir
 
     check_writable_dir(out, "output folder")

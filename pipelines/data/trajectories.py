@@ -103,6 +103,10 @@ def make_trajectories(tasks_dir: str | Path, out: str | Path, *, seed: int = 0,
     if (out / "manifest.json").exists() and not force:
         raise UserError(f"{out} already holds finished trajectories",
                         hint="pass --force to regenerate them, or another --out")
+    if out.is_dir():  # anything else there would be replaced only at the end: refused now
+        from pipelines.core.modeldir import refuse_existing
+
+        refuse_existing(out, force)
     plans = [plan(t, random.Random(f"{seed}:{t.id}")) for t in tasks]
     start = time.monotonic()
     dropped: Counter[str] = Counter()

@@ -256,6 +256,8 @@ CASES: dict[str, Case] = {
     "synth-unknown-kind": Case("data synth --kind images --n 2 --out {i}/s", ("'--kind'", "images")),
     "synth-unknown-split": Case("data synth --kind video --n 2 --split test --out {i}/s", ("'--split'", "test")),
     "synth-unknown-family": Case("data synth --kind video --n 2 --families colour --out {i}/s", ("family 'colour'",)),
+    "synth-out-not-empty": Case("data synth --kind image-search --n 2 --out {i}/model-ok", ("model-ok", "exists and is not empty", "--force")),
+    "trajectories-out-not-empty": Case("data trajectories --tasks {i}/tasks --out {i}/model-ok", ("model-ok", "exists and is not empty", "--force")),
     "synth-out-is-file": Case("data synth --kind image-search --n 2 --out {i}/a-file", ("a-file", "is a file")),
     "export-unknown-format": Case("data export --format sharegpt --source {i}/tasks --out {i}/x", ("'--format'", "sharegpt")),
     "export-source-missing": Case("data export --format verl --source {i}/nope --out {i}/x", ("nope",)),
