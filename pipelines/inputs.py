@@ -224,3 +224,22 @@ def check_model(model: str, what: str = "model") -> None:
         if f.suffix == ".safetensors" and (problem := safetensors_problem(f)):
             raise UserError(f"{what} folder {p}: {problem}",
                             hint="copy or save the model again")
+
+
+def open_video(path: str | Path) -> Any:
+    """A decord ``VideoReader`` of ``path``, opened quietly: decord's failure comes back as the
+    exception only. Its log level does not reach the C++ ``LOG(ERROR)`` of a file that will not
+    open, which would otherwise put a line of its own above the one-line error; so fd 2 points
+    at /dev/null for the open."""
+    import decord
+    import decord.logging
+
+    decord.logging.set_level(decord.logging.QUIET)
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 2)
+        return decord.VideoReader(str(path))
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)

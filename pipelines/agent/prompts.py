@@ -85,12 +85,9 @@ def resize_for_context(image: Any, min_pixels: int, max_pixels: int, factor: int
 
 def video_info(path: Path) -> dict[str, Any]:
     try:
-        import decord
-        import decord.logging
+        from pipelines.inputs import open_video
 
-        decord.logging.set_level(decord.logging.QUIET)  # its errors come back as one line
-
-        reader = decord.VideoReader(str(path))
+        reader = open_video(path)
         height, width = reader[0].shape[:2]
         return {"frames": len(reader), "fps": float(reader.get_avg_fps()), "width": int(width),
                 "height": int(height), "reader": reader}

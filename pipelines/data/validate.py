@@ -22,12 +22,9 @@ def media_problem(path: Path) -> str | None:
         return f"missing media file {path}"
     if path.suffix.lower() in (".mp4", ".webm", ".mkv", ".avi", ".mov"):
         try:
-            import decord
-            import decord.logging
+            from pipelines.inputs import open_video
 
-            decord.logging.set_level(decord.logging.QUIET)  # its errors come back as one line
-
-            if len(decord.VideoReader(str(path))) == 0:
+            if len(open_video(path)) == 0:
                 return f"video without frames {path}"
         except Exception as exc:  # noqa: BLE001 - any decoder failure is a finding
             return f"undecodable video {path} ({str(exc).splitlines()[0][:80]})"

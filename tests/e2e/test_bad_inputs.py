@@ -533,3 +533,24 @@ def test_pretrain_out_is_checked_before_anything_is_written(out: str, names: tup
     monkeypatch.setattr(pipelines.models.pretrain, "pretrain", no_training)
     result, before, after = run_case(tmp_path, f"model pretrain --out {out}")
     assert_clean(result, before, after, names)
+
+
+@pytest.mark.parametrize("flag,name,data", [
+    ("--video", "empty.mp4", b""), ("--video", "junk.mp4", b"\x00" * 512),
+    ("--image", "junk.png", b"\x00" * 512)])
+def test_undecodable_media_is_one_line_on_the_real_stderr(flag: str, name: str, data: bytes,
+                                                          tmp_path: Path):
+    """What the decoders print themselves (decord's C++ log goes to fd 2, out of the test runner's
+    reach, and PIL names its stream) stays out of the one-line error."""
+    import subprocess
+    import sys
+
+    (tmp_path / name).write_bytes(data)
+    (tmp_path / "code.py").write_text("print(1)\n")
+    proc = subprocess.run([sys.executable, "-m", "pyvision_cli.main", "sandbox", "run",
+                           str(tmp_path / "code.py"), flag, str(tmp_path / name)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and name in lines[0], proc.stderr
+    assert "object at 0x" not in lines[0]

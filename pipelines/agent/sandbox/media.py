@@ -40,12 +40,16 @@ def _image_bytes(name: str, value: Any) -> bytes:
     if not path.is_file():
         raise DataError(f"image for {name} not found: {path}", hint="check the task's media paths")
     data = path.read_bytes()
+    stream = None
     try:
-        with Image.open(io.BytesIO(data)) as img:
+        stream = io.BytesIO(data)
+        with Image.open(stream) as img:
             img.verify()
     except (UnidentifiedImageError, Image.DecompressionBombError, OSError, SyntaxError,
             ValueError) as exc:
-        raise DataError(f"image for {name} is corrupt or not an image: {path} ({exc})",
+        # PIL names the stream it read ("<_io.BytesIO object at 0x...>"): the file is named here.
+        reason = str(exc).replace(f" {stream!r}", "") if stream is not None else str(exc)
+        raise DataError(f"image for {name} is corrupt or not an image: {path} ({reason})",
                         hint="replace the file or drop the task") from None
     return data
 
@@ -56,12 +60,9 @@ def video_bytes(name: str, value: Any) -> tuple[bytes, str]:
     if not path.is_file():
         raise DataError(f"video for {name} not found: {path}", hint="check the task's media paths")
     try:
-        import decord
-        import decord.logging
+        from pipelines.inputs import open_video
 
-        decord.logging.set_level(decord.logging.QUIET)  # its errors come back as one line
-
-        reader = decord.VideoReader(str(path))
+        reader = open_video(path)
         if len(reader) == 0:
             raise ValueError("no frames")
         del reader
