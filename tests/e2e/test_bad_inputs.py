@@ -549,7 +549,8 @@ def test_undecodable_media_is_one_line_on_the_real_stderr(flag: str, name: str, 
     (tmp_path / "code.py").write_text("print(1)\n")
     proc = subprocess.run([sys.executable, "-m", "pyvision_cli.main", "sandbox", "run",
                            str(tmp_path / "code.py"), flag, str(tmp_path / name)],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          check=False)
     assert proc.returncode == 2, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and name in lines[0], proc.stderr

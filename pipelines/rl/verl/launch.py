@@ -142,10 +142,14 @@ def _export(recipe: Recipe, sd: StageDir, paths: VerlPaths, task_dirs: list[Path
                        val_sources=_val_sources(recipe, sd), strict=recipe.data.strict,
                        processor=_processor(model), max_prompt_tokens=recipe.rl.max_prompt_tokens)
     if info["skipped"]:
-        from pipelines.console import err
+        from rich.markup import escape
 
-        err.print(f"[yellow]verl export skipped {sum(info['skipped'].values())} rows:[/] "
-                  f"{info['skipped']}; first: {info['problems'][:1]}")
+        from pipelines.console import err
+        from pipelines.data.validate import skipped_rows
+
+        err.print(f"[yellow]warning:[/] verl export "
+                  f"{escape(skipped_rows(info['skipped'], info['problems']))}",
+                  soft_wrap=True, highlight=False)
     if info["val"] is None:
         paths.val.unlink(missing_ok=True)  # a stale file from an earlier export
     return info["val"] is not None

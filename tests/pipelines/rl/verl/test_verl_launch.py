@@ -570,3 +570,25 @@ def test_interpreter_without_verl_or_vllm_is_a_user_error(rl_tasks, tmp_path):
     # This CPU environment has verl 0.9.1 but neither vLLM nor TransferQueue.
     with pytest.raises(UserError, match=r"has no vllm.*install verl\[vllm\]==0\.9\.1 in a GPU"):
         check_interpreter(sys.executable, "vllm")
+
+
+def test_dry_run_names_skipped_rows_in_one_readable_line(rl_tasks, tmp_path, monkeypatch, capsys):
+    """The export's skipped rows reach the user as one line (count, reasons, the first row), not
+    as a printed dict."""
+    import pipelines.data.export_verl as export_module
+    from pipelines.rl.verl.launch import launch_verl
+
+    real = export_module.export_verl
+
+    def with_a_skip(*args, **kwargs):  # one row dropped, as an over-long prompt is
+        info = real(*args, **kwargs)
+        return {**info, "skipped": {"prompt_too_long": 1},
+                "problems": [f"{rl_tasks}/tasks.jsonl:3: prompt too long"]}
+
+    monkeypatch.setattr(export_module, "export_verl", with_a_skip)
+    recipe, sd = _stage(tmp_path)
+    launch_verl(recipe, sd, model="m", task_dirs=[rl_tasks], dry_run=True)
+    lines = [line for line in capsys.readouterr().err.splitlines() if "skipped" in line]
+    want = (f"warning: verl export skipped 1 row: 1 prompt_too_long; first: "
+            f"{rl_tasks}/tasks.jsonl:3: prompt too long")
+    assert lines == [want]
