@@ -85,6 +85,10 @@ def evaluate(
             check_benchmark_name(name)
     if engine != "openai":
         check_model(model)
+    if served_model is not None and not model.startswith(("http://", "https://")):
+        raise UserError(f"--served-model names a model on a server, but --model {model} is not a "
+                        "server URL", hint="drop --served-model, or pass the server's URL as "
+                                           "--model")
     if data_dir is not None and not data_dir.exists():
         raise UserError(f"--data-dir {data_dir} not found",
                         hint="pass the folder `pyvision data download` or the data stage wrote")

@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 
 import typer
 
+from pipelines.errors import UserError
 from pyvision_cli.common import StoreOpt, command, err, make_app, print_json
 
 app = make_app("Results tables, training curves and an HTML report.", no_args_is_help=False)
@@ -27,6 +28,10 @@ def report(
     from pipelines.report import collect, to_json, write_report
     from pipelines.store import Store
 
+    if out is not None and fmt in ("table", "json"):
+        raise UserError(f"--out is for report files; --format {fmt} prints to the "
+                        f"{'terminal' if fmt == 'table' else 'standard output'}",
+                        hint="drop --out, or pass --format html or markdown")
     st = Store(store, read_only=True)
     if fmt == "json":
         with st.session():  # one connection for every read: the lock is held once, briefly

@@ -115,6 +115,10 @@ def check_endpoint(url: str, timeout_s: float = 10.0, *, what: str = "model serv
     naming ``what`` with ``hint``."""
     import httpx
 
+    if not url.startswith(("http://", "https://")):
+        raise EndpointError(f"{what} {url} is not a server URL (http://HOST:PORT/v1)",
+                            hint="pass the server's URL; a local model folder runs in-process "
+                                 "with --engine hf")
     base = url.rstrip("/")
     if not base.endswith("/v1"):
         base += "/v1"

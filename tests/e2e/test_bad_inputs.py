@@ -193,6 +193,8 @@ CASES: dict[str, Case] = {
     "eval-tasks-missing-media": Case(f"eval -c {TINY} {M_OK} --benchmarks synth-image --data-dir {{i}}/tasks-missing-media", ("tasks.jsonl:1", "nope.png")),
     "eval-corrupt-parquet": Case(f"eval -c {TINY} {M_OK} --benchmarks vstar --data-dir {{i}}/corrupt-parquet", ("test-00000-of-00001.parquet", "not a readable parquet file")),
     "eval-decompression-bomb": Case(f"eval -c {TINY} {M_OK} --benchmarks synth-image --data-dir {{i}}/tasks-bomb", ("bomb.png", "cannot be read")),
+    "eval-openai-local-folder": Case(f"{EVAL} {M_OK} --engine openai", ("model server", "model-ok", "is not a server URL")),
+    "eval-served-model-local-folder": Case(f"{EVAL} {M_OK} --served-model qwen", ("--served-model names a model on a server",)),
     "eval-include-path-without-lmms": Case(f"{EVAL} {M_OK} --include-path {{i}}", ("--include-path only applies",)),
     # models
     "eval-model-missing": Case(f"{EVAL} --model {{i}}/nope", ("model not found", "nope")),
@@ -286,6 +288,8 @@ CASES: dict[str, Case] = {
     "report-store-missing": Case("report --store {i}/nope.duckdb", ("store not found", "nope.duckdb")),
     "report-store-folder": Case("report --store {i}/store-dir", ("store-dir", "folder")),
     "report-store-not-duckdb": Case("report --format json --store {i}/not-duckdb.duckdb", ("not a DuckDB database",)),
+    "report-table-with-out": Case("report --format table --out {i}/r", ("--out is for report files", "--format table")),
+    "report-json-with-out": Case("report --format json --out {i}/r", ("--out is for report files", "--format json")),
     "report-unknown-format": Case("report --format pdf", ("'--format'", "pdf")),
     "report-store-under-missing-folder": Case("report --store {i}/nope/s.duckdb", ("store not found", "nope")),
     "score-run-not-in-store": Case("eval score --benchmark mathverse --run-id r --store {i}/nope/s.duckdb", ("'r'",)),
@@ -449,7 +453,8 @@ def test_an_empty_store_reports_nothing_in_every_format(tmp_path: Path):
 
     Store().migrate()  # exists, holds no run
     for fmt in ("table", "json", "markdown", "html"):
-        result = runner.invoke(app, ["report", "--format", fmt, "--out", str(tmp_path / "rep")])
+        out = ["--out", str(tmp_path / "rep")] if fmt in ("markdown", "html") else []
+        result = runner.invoke(app, ["report", "--format", fmt, *out])
         assert result.exit_code == 0, (fmt, result.output)
     assert not (tmp_path / "rep").exists()
 
