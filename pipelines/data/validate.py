@@ -12,7 +12,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from pipelines.core.records import CONVERSATIONS_FILE, TASKS_FILE, read_conversations, read_tasks
+from pipelines.core.records import (
+    CONVERSATIONS_FILE,
+    TASKS_FILE,
+    Task,
+    read_conversations,
+    read_tasks,
+)
 from pipelines.errors import DataError
 
 
@@ -39,24 +45,30 @@ def media_problem(path: Path) -> str | None:
     return None
 
 
-def check_media_decode(task_dirs: list[str | Path], what: str) -> None:
-    """Raise a :class:`DataError` for the first task (in file order) whose image or video does
-    not decode, before a long run starts on it (the RL stage would otherwise meet it mid-step).
-    Files are opened on a few threads: decoding releases the GIL."""
+def row_media_problems(media: Sequence[Sequence[Path]]) -> list[str | None]:
+    """For each row's media files, the first one's problem (:func:`media_problem`) or None, in
+    row order. Files are opened on a few threads: decoding releases the GIL."""
     import os
     from concurrent.futures import ThreadPoolExecutor
 
-    checks: list[tuple[str, Path]] = []
-    for d in task_dirs:
-        tasks, report = read_tasks(d)
-        root = Path(d) if Path(d).is_dir() else Path(d).parent
-        checks += [(f"{report.path}: row '{t.id}'", m) for t in tasks for m in t.media_paths(root)]
+    def first(paths: Sequence[Path]) -> str | None:
+        return next((q for q in map(media_problem, paths) if q), None)
+
     with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-        for (where, _), problem in zip(checks, pool.map(lambda c: media_problem(c[1]), checks)):
-            if problem:
-                raise DataError(f"{what}: {where}: {problem}",
-                                hint="replace the file or drop the row (`pyvision data validate "
-                                     "DIR` lists every bad row)")
+        return list(pool.map(first, media))
+
+
+def check_media_decode(task_sets: Sequence[tuple[Sequence[Task], Path, str]], what: str) -> None:
+    """Raise a :class:`DataError` for the first task (in file order) whose image or video does
+    not decode, before a long run starts on it (the RL stage would otherwise meet it mid-step).
+    ``task_sets`` are the tasks already read from each file: (tasks, media root, file)."""
+    rows = [(f"{file}: row '{t.id}'", t.media_paths(root))
+            for tasks, root, file in task_sets for t in tasks]
+    for (where, _), problem in zip(rows, row_media_problems([m for _, m in rows])):
+        if problem:
+            raise DataError(f"{what}: {where}: {problem}",
+                            hint="replace the file or drop the row (`pyvision data validate "
+                                 "DIR` lists every bad row)")
 
 
 def skipped_rows(skipped: Mapping[str, int], problems: Sequence[str]) -> str:
@@ -78,10 +90,9 @@ def validate_path(path: str | Path, *, strict: bool = False) -> dict[str, Any]:
     root = p if p.is_dir() else p.parent
     by: Counter[str] = Counter()
     good = []
-    for row in rows:
-        media = ([root / m for m in [*row.images, *row.videos]] if is_conv
-                 else row.media_paths(root))
-        problem = next((q for q in (media_problem(m) for m in media) if q), None)
+    media = [[root / m for m in [*row.images, *row.videos]] if is_conv else row.media_paths(root)
+             for row in rows]
+    for row, problem in zip(rows, row_media_problems(media)):
         if problem:
             where = f"{report.path}: row '{row.id}'"
             if strict:

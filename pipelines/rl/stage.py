@@ -38,12 +38,14 @@ def resolve_rl_inputs(recipe: Recipe, sd: StageDir, *, model: str | None = None,
     from pipelines.inputs import check_model
 
     check_model(model, "the model to start RL from")
-    if not any(read_tasks(t, strict=True)[0] for t in task_dirs):
+    read = [(tasks, Path(report.path).parent, report.path)
+            for tasks, report in (read_tasks(t, strict=True) for t in task_dirs)]
+    if not any(tasks for tasks, _, _ in read):
         raise UserError(f"no usable RL prompts in {', '.join(str(t) for t in task_dirs)}",
                         hint="check them with `pyvision data validate DIR`, or pass --tasks DIR")
     from pipelines.data.validate import check_media_decode
 
-    check_media_decode(task_dirs, "RL prompts")
+    check_media_decode(read, "RL prompts")
     return model, [str(t) for t in task_dirs]
 
 
