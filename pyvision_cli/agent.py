@@ -48,13 +48,6 @@ def run(
 
     if bool(image) == bool(video):
         raise UserError("pass either --image (one or more) or --video", hint="e.g. --image photo.jpg")
-    # Blank text would be read as the folder `.` (--model) or reach the model as it is.
-    for flag, value, hint in (
-            ("--model", model, "pass a local model folder or a server URL"),
-            ("--question", question, 'e.g. --question "What colour is the car?"'),
-            ("--served-model", served_model, "pass a name the server lists, or drop the option")):
-        if value is not None and not value.strip():
-            raise UserError(f"{flag} is empty", hint=hint)
     from pipelines.inputs import check_model, check_writable_dir
 
     check_model(model)

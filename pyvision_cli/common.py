@@ -102,11 +102,46 @@ class _OneLineErrors:
 
 
 class PyVisionGroup(_OneLineErrors, TyperGroup):
-    """A Typer group whose commands report UserError as one line with exit code 2."""
+    """A Typer group whose commands report UserError as one line with exit code 2; blank
+    values of its own options (``pyvision eval --model ""``) are refused, its subcommands'
+    by the subcommand."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        raw = list(args)
+        rest = super().parse_args(ctx, args)
+        left = len(getattr(ctx, "_protected_args", None) or ()) + len(rest)
+        _refuse_blank(raw[: len(raw) - left], ctx)
+        return rest
+
+
+def blank_value(args: list[str]) -> str | None:
+    """The option given an empty or blank value on the command line (``--out ""``,
+    ``--out=``), or ``""`` for a blank positional argument; None when there is none. No
+    option takes blank text: a path would become the current folder, a name or a question
+    would reach a server or the model as it is."""
+    for i, arg in enumerate(args):
+        if arg.startswith("--") and "=" in arg:
+            name, _, value = arg.partition("=")
+            if not value.strip():
+                return name
+        elif not arg.strip():
+            prev = args[i - 1] if i else ""
+            return prev if prev.startswith("-") and "=" not in prev else ""
+    return None
+
+
+def _refuse_blank(args: list[str], ctx: click.Context) -> None:
+    if (name := blank_value(args)) is not None:
+        raise UsageError(f"{name} is empty (give it a value, or leave the option out)" if name
+                         else "an argument is empty (give it a value)", ctx)
 
 
 class PyVisionCommand(_OneLineErrors, typer.core.TyperCommand):
-    """A single Typer command with the same UserError handling."""
+    """A single Typer command with the same UserError handling; blank values are refused."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        _refuse_blank(args, ctx)
+        return super().parse_args(ctx, args)
 
 
 # Plain help (no Rich markup: a "[default: ...]" in a help text stays text), every default shown.

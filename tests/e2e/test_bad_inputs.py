@@ -168,7 +168,7 @@ CASES: dict[str, Case] = {
     # run ids: one rule for every command
     "eval-run-id-traversal": Case(f"{EVAL} {M_OK} --run-id ../../etc", ("../../etc", "not a valid run id")),
     "rl-run-id-space": Case("rl --run-id 'a b'", ("'a b'", "not a valid run id")),
-    "sft-run-id-empty": Case("sft --run-id ''", ("not a valid run id",)),
+    "sft-run-id-empty": Case("sft --run-id ''", ("--run-id is empty",)),
     "run-run-id-slash": Case(f"run {TINY} --run-id a/b", ("'a/b'", "not a valid run id")),
     "prepare-base-model-missing": Case("data prepare --run-id p1 --set model.tiny=null --set model.base={i}/nope", ("model.base not found", "nope")),
     "run-base-model-missing": Case(f"run {TINY} --run-id p1 --set model.tiny=null --set model.base={{i}}/model-empty", ("model.base folder", "model-empty", "is empty")),

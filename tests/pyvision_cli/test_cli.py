@@ -153,3 +153,31 @@ def test_usage_errors_are_one_line():
     assert result.output.strip().splitlines() == [
         ("error: Invalid value for '--size': 'huge' is not one of 'nano', 'small'. "
          "Fix: see `pyvision model tiny --help`.")]
+
+
+@pytest.mark.parametrize(("argv", "named"), [
+    (["agent", "run", "--model", "m", "--question", "q", "--image", "a.png", "--out-dir", ""],
+     "--out-dir is empty"),
+    (["data", "synth", "--kind", "video", "--n", "2", "--out="], "--out is empty"),
+    (["eval", "--model", "m", "--store", "   "], "--store is empty"),
+    (["data", "validate", ""], "an argument is empty"),
+    (["run", " "], "an argument is empty"),
+])
+def test_blank_values_are_refused_before_anything_runs(tmp_path, monkeypatch, argv, named):
+    # A blank path would otherwise be the current folder (written into), a blank name sent on.
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, argv, prog_name="pyvision")
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {named}"), lines
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_blank_value_reads_the_raw_arguments():
+    from pyvision_cli.common import blank_value
+
+    assert blank_value(["--out", "x", "--n", "2"]) is None
+    assert blank_value(["--set", "a.b=", "--n", "2"]) is None  # a value that ends in '=' is text
+    assert blank_value(["--out", "x", "--question", "\t"]) == "--question"
+    assert blank_value(["--served-model="]) == "--served-model"
+    assert blank_value(["--json", ""]) == "--json"
