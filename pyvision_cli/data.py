@@ -51,15 +51,25 @@ def validate(
     strict: Annotated[bool, typer.Option("--strict", help="Fail on the first bad row (exit 2).")] = False,
     json_out: JsonOpt = False,
 ) -> None:
-    """Check every row (schema, answer, media present and decodable, placeholders); summarise."""
-    from rich.table import Table
-
+    """Check every row (schema, answer, media present and decodable, placeholders); summarise.
+    Exit 2 when no row is usable."""
     from pipelines.data.validate import validate_path
 
     report = validate_path(path, strict=strict)
     if json_out:
         print_json(report)
-        return
+    else:
+        _validate_table(report)
+    if report["kept"] == 0:  # after the findings: they say what to fix
+        from pipelines.errors import DataError
+
+        raise DataError(f"{report['path']}: no usable rows ({report['read']} read)",
+                        hint="fix the rows reported, or synthesise or import the data again")
+
+
+def _validate_table(report: dict) -> None:
+    from rich.table import Table
+
     table = Table(title=f"validate {report['path']}")
     table.add_column("")
     table.add_column("count", justify="right")
@@ -105,9 +115,9 @@ def distill(
     tasks: Annotated[list[Path] | None, typer.Option(help="Task folder (tasks.jsonl + media); repeatable.", show_default=False)] = None,
     out: Annotated[Path | None, typer.Option(help="Output folder: samples/, conversations.jsonl, media/, the LLaMA-Factory export, card.json / card.md.", show_default=False)] = None,
     served_model: Annotated[str | None, typer.Option(help="Model name sent to the teacher (default: the one model it lists).", show_default=False)] = None,
-    k: Annotated[int | None, typer.Option("--k", help="Samples per task (default: data.distill.k).", show_default=False)] = None,
-    max_per_task: Annotated[int | None, typer.Option(help="Most kept per task (default: data.distill.max_per_task).", show_default=False)] = None,
-    concurrency: Annotated[int | None, typer.Option(help="Requests in flight (default: data.distill.concurrency).", show_default=False)] = None,
+    k: Annotated[int | None, typer.Option("--k", help="Samples per task (default: data.distill.k).", min=1, max=256, show_default=False)] = None,
+    max_per_task: Annotated[int | None, typer.Option(help="Most kept per task (default: data.distill.max_per_task).", min=1, max=256, show_default=False)] = None,
+    concurrency: Annotated[int | None, typer.Option(help="Requests in flight (default: data.distill.concurrency).", min=1, max=4096, show_default=False)] = None,
     limit: Annotated[int | None, typer.Option(help="Only the first N tasks.", min=1, show_default=False)] = None,
     config: ConfigOpt = None,
     set_: SetOpt = None,

@@ -264,6 +264,7 @@ CASES: dict[str, Case] = {
     "export-unknown-format": Case("data export --format sharegpt --source {i}/tasks --out {i}/x", ("'--format'", "sharegpt")),
     "export-source-missing": Case("data export --format verl --source {i}/nope --out {i}/x", ("nope",)),
     "export-out-is-file": Case("data export --format verl --source {i}/tasks --out {i}/a-file", ("a-file", "is a file")),
+    "distill-k-zero": Case("data distill --teacher http://127.0.0.1:9 --tasks {i}/tasks --out {i}/d --k 0", ("'--k'", "greater than or equal to 1")),
     "download-unknown": Case("data download vstar2 --out {i}/d", ("vstar2",)),
     "import-from-missing": Case("data import vstar --from-dir {i}/nope --out {i}/d", ("nope",)),
     "import-from-empty": Case("data import vstar --from-dir {i}/store-dir --out {i}/d", ("no data for 'vstar'", "store-dir")),
@@ -560,3 +561,20 @@ def test_undecodable_media_is_one_line_on_the_real_stderr(flag: str, name: str, 
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and name in lines[0], proc.stderr
     assert "object at 0x" not in lines[0]
+
+
+@pytest.mark.parametrize("folder", ["tasks-missing-media", "tasks-empty"])
+def test_validate_without_usable_rows_reports_then_exits_2(folder: str, tmp_path: Path) -> None:
+    # Not --strict: every finding is listed first (what to fix), then one error line, exit 2.
+    result, before, after = run_case(tmp_path, f"data validate {{i}}/{folder}")
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert lines[-1].startswith("error: ") and "no usable rows" in lines[-1], result.output
+    assert folder in lines[-1] and "rows kept" in result.output
+    assert after == before
+
+
+def test_validate_with_usable_rows_exits_0(tmp_path: Path) -> None:
+    result, _, _ = run_case(tmp_path, "data validate {i}/tasks --json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["kept"] > 0
