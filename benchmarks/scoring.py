@@ -376,18 +376,28 @@ def extract_number(text: str | None, *, extended: bool = True) -> float | None:
     return words[1] if words else None
 
 
-def score_number(prediction: str | None, gold: str | float, rel_tol: float = 0.01) -> Verdict:
-    """The first number of the prediction equals the gold within ``rel_tol`` (relative)."""
+def _numbers(prediction: str | None, gold: str | float, scorer: str) -> tuple[float, float] | Verdict:
+    """(the prediction's final answer's first number, the gold's), or the ``scorer``'s
+    verdict on why one of them is missing."""
     pred_text = extract_final_answer(prediction)
     if not pred_text:
-        return _empty(NUMBER_SCORER)
+        return _empty(scorer)
     gold_value = gold if isinstance(gold, (int, float)) else extract_number(str(gold))
     if gold_value is None:
-        return Verdict(0.0, False, NUMBER_SCORER, f"gold '{gold}' is not a number")
+        return Verdict(0.0, False, scorer, f"gold '{gold}' is not a number")
     value = extract_number(pred_text)
     if value is None:
-        return Verdict(0.0, False, NUMBER_SCORER, "no number in prediction")
-    ok = math.isclose(value, float(gold_value), rel_tol=rel_tol, abs_tol=1e-9)
+        return Verdict(0.0, False, scorer, "no number in prediction")
+    return value, float(gold_value)
+
+
+def score_number(prediction: str | None, gold: str | float, rel_tol: float = 0.01) -> Verdict:
+    """The first number of the prediction equals the gold within ``rel_tol`` (relative)."""
+    read = _numbers(prediction, gold, NUMBER_SCORER)
+    if isinstance(read, Verdict):
+        return read
+    value, gold_value = read
+    ok = math.isclose(value, gold_value, rel_tol=rel_tol, abs_tol=1e-9)
     return Verdict(float(ok), ok, NUMBER_SCORER, f"read {value:g}, gold {float(gold_value):g}")
 
 
@@ -413,16 +423,11 @@ def mean_relative_accuracy(pred: float, gold: float, start: float = 0.5, end: fl
 
 def score_mra(prediction: str | None, gold: str | float, threshold: float = 0.5) -> Verdict:
     """A number scored by mean relative accuracy; correct when MRA >= ``threshold``."""
-    pred_text = extract_final_answer(prediction)
-    if not pred_text:
-        return _empty(MRA_SCORER)
-    gold_value = gold if isinstance(gold, (int, float)) else extract_number(str(gold))
-    if gold_value is None:
-        return Verdict(0.0, False, MRA_SCORER, f"gold '{gold}' is not a number")
-    value = extract_number(pred_text)
-    if value is None:
-        return Verdict(0.0, False, MRA_SCORER, "no number in prediction")
-    mra = mean_relative_accuracy(value, float(gold_value))
+    read = _numbers(prediction, gold, MRA_SCORER)
+    if isinstance(read, Verdict):
+        return read
+    value, gold_value = read
+    mra = mean_relative_accuracy(value, gold_value)
     return Verdict(mra, mra >= threshold, MRA_SCORER,
                    f"read {value:g}, gold {float(gold_value):g}, MRA {mra:.2f}")
 
