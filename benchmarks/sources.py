@@ -161,6 +161,19 @@ def parquet_rows(path: Path) -> Iterator[dict[str, Any]]:
                              "it if it is not part of the dataset") from None
 
 
+def json_records(path: Path) -> list[Any]:
+    """The records of a ``.json`` data file: the file's list, or the first list among the values
+    of its top-level object (``{"data": [...]}``); malformed JSON is a DataError at its line."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{path}:{exc.lineno}: malformed JSON ({exc.msg})",
+                        hint="fix the file or download it again") from None
+    if isinstance(data, dict):
+        data = next((v for v in data.values() if isinstance(v, list)), [])
+    return data if isinstance(data, list) else []
+
+
 def _file_rows(path: Path) -> Iterator[Row]:
     suffix = path.suffix.lower()
     base = path.parent
@@ -182,14 +195,7 @@ def _file_rows(path: Path) -> Iterator[Row]:
                                     hint="write one object per line")
                 yield Row(values, f"{path}:{number}", base)
     elif suffix == ".json":
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{path}:{exc.lineno}: malformed JSON ({exc.msg})",
-                            hint="fix the file or download it again") from None
-        if isinstance(data, dict):
-            data = next((v for v in data.values() if isinstance(v, list)), [])
-        for i, values in enumerate(data):
+        for i, values in enumerate(json_records(path)):
             if isinstance(values, dict):
                 yield Row(values, f"{path}[{i}]", base)
     elif suffix == ".tsv":

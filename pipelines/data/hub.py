@@ -182,14 +182,9 @@ def _load_rows(from_dir: Path, patterns: Iterable[str]) -> list[tuple[str, int, 
                     if "/." not in str(p.relative_to(from_dir))})
     for f in files:
         if f.suffix == ".json":
-            try:
-                data = json.loads(f.read_text(encoding="utf-8"))
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{f}:{exc.lineno}: malformed JSON ({exc.msg})",
-                                hint="download the file again") from None
-            if isinstance(data, dict):
-                data = next((v for v in data.values() if isinstance(v, list)), [])
-            rows += [(str(f), i + 1, r) for i, r in enumerate(data)]
+            from benchmarks.sources import json_records
+
+            rows += [(str(f), i + 1, r) for i, r in enumerate(json_records(f))]
         elif f.suffix == ".jsonl":
             for i, line in enumerate(f.read_text(encoding="utf-8").splitlines()):
                 if line.strip():

@@ -665,3 +665,17 @@ def test_synth_video_reports_mra(tmp_path: Path) -> None:
 def test_synth_needs_a_data_dir() -> None:
     with pytest.raises(UserError, match="--data-dir"):
         get_benchmark("synth-image").load()
+
+
+def test_json_records_reads_a_list_or_the_list_inside_an_object(tmp_path: Path) -> None:
+    from benchmarks.sources import json_records
+
+    (tmp_path / "a.json").write_text(json.dumps([{"q": 1}, {"q": 2}]))
+    (tmp_path / "b.json").write_text(json.dumps({"version": "1", "data": [{"q": 3}]}))
+    (tmp_path / "c.json").write_text("7")
+    (tmp_path / "d.json").write_text('[{"q": 1},\n{"q": }]')
+    assert json_records(tmp_path / "a.json") == [{"q": 1}, {"q": 2}]
+    assert json_records(tmp_path / "b.json") == [{"q": 3}]
+    assert json_records(tmp_path / "c.json") == []  # no records, not a crash
+    with pytest.raises(DataError, match=r"d\.json:2: malformed JSON"):
+        json_records(tmp_path / "d.json")
