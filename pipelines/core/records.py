@@ -31,10 +31,10 @@ placeholder in the text, in the order of ``images``.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -44,6 +44,7 @@ from pipelines.fsutil import atomic_write_text
 AnswerType = Literal["choice", "number", "text", "math"]
 TASKS_FILE = "tasks.jsonl"
 CONVERSATIONS_FILE = "conversations.jsonl"
+_Row = TypeVar("_Row", bound=BaseModel)
 IMAGE_PLACEHOLDER = "<image>"
 VIDEO_PLACEHOLDER = "<video>"
 
@@ -142,61 +143,76 @@ def iter_jsonl(path: str | Path) -> Iterator[tuple[int, Any | json.JSONDecodeErr
                 yield number, exc
 
 
+def _read_rows(path: str | Path, file_name: str, model: type[_Row], *, strict: bool,
+               missing_hint: str, check: Callable[[_Row, Path], tuple[str, str] | None],
+               field_reason: Callable[[str], str] = lambda loc: "invalid_row",
+               ) -> tuple[list[_Row], ReadReport]:
+    """The rows of a JSONL file (or of ``file_name`` in a folder) that parse, validate as
+    ``model`` and pass ``check(row, folder)`` (None, or a ``(reason, detail)`` finding).
+
+    Each bad row is reported with file and line: with ``strict`` the first one raises
+    :class:`DataError`; otherwise it is skipped and counted in the returned :class:`ReadReport`.
+    """
+    p = Path(path)
+    if p.is_dir():
+        p = p / file_name
+    if not p.is_file():
+        raise DataError(f"{file_name.split('.')[0]} file not found: {p}", hint=missing_hint)
+    report = ReadReport(str(p))
+    rows: list[_Row] = []
+    for number, obj in iter_jsonl(p):
+        report.read += 1
+        finding: tuple[str, str] | None
+        if isinstance(obj, Exception):
+            finding = ("malformed_json", f"malformed JSON ({obj.msg} at column {obj.colno})")
+        else:
+            try:
+                row = model.model_validate(obj)
+            except ValidationError as exc:
+                e = exc.errors()[0]
+                loc = ".".join(str(x) for x in e["loc"]) or "row"
+                finding = (field_reason(loc), f"invalid field '{loc}': {e['msg']}")
+            else:
+                finding = check(row, p.parent)
+        if finding is None:
+            rows.append(row)
+            continue
+        where = f"{p}:{number}"
+        if strict:
+            raise DataError(f"{where}: {finding[1]}", hint=f"fix or remove the row (`pyvision "
+                            f"data validate {p}` lists every bad row)")
+        report.skip(finding[0], where, finding[1])
+    report.kept = len(rows)
+    return rows, report
+
+
 def read_tasks(path: str | Path, *, strict: bool = False,
                check_media: bool = True) -> tuple[list[Task], ReadReport]:
     """Read and validate a tasks JSONL file (or a dataset folder holding ``tasks.jsonl``).
 
-    Each bad row (malformed JSON, a schema error, missing media, an empty answer) is reported
-    with file and line. With ``strict`` the first one raises :class:`DataError`; otherwise it
-    is skipped and counted in the returned :class:`ReadReport`.
+    Each bad row (malformed JSON, a schema error, a duplicate id, missing media, an empty
+    answer, a choice answer outside its options) is reported with file and line. With
+    ``strict`` the first one raises :class:`DataError`; otherwise it is skipped and counted in
+    the returned :class:`ReadReport`.
     """
-    p = Path(path)
-    if p.is_dir():
-        p = p / TASKS_FILE
-    if not p.is_file():
-        raise DataError(f"tasks file not found: {p}",
-                        hint="run `pyvision data synth` or `pyvision data import` first")
-    root = p.parent
-    report = ReadReport(str(p))
-    tasks: list[Task] = []
     seen: set[str] = set()
 
-    def bad(reason: str, where: str, detail: str) -> None:
-        if strict:
-            raise DataError(f"{where}: {detail}", hint=f"fix or remove the row (`pyvision data "
-                            f"validate {p}` lists every bad row)")
-        report.skip(reason, where, detail)
-
-    for number, obj in iter_jsonl(p):
-        report.read += 1
-        where = f"{p}:{number}"
-        if isinstance(obj, Exception):
-            bad("malformed_json", where, f"malformed JSON ({obj.msg} at column {obj.colno})")
-            continue
-        try:
-            task = Task.model_validate(obj)
-        except ValidationError as exc:
-            e = exc.errors()[0]
-            loc = ".".join(str(x) for x in e["loc"]) or "row"
-            reason = "empty_answer" if loc == "answer" else "invalid_row"
-            bad(reason, where, f"invalid field '{loc}': {e['msg']}")
-            continue
+    def check(task: Task, root: Path) -> tuple[str, str] | None:
         if task.id in seen:
-            bad("duplicate_id", where, f"duplicate id '{task.id}'")
-            continue
+            return "duplicate_id", f"duplicate id '{task.id}'"
         if check_media:
             missing = [str(m) for m in task.media_paths(root) if not m.is_file()]
             if missing:
-                bad("missing_media", where, f"missing media file {missing[0]}")
-                continue
+                return "missing_media", f"missing media file {missing[0]}"
         if task.answer_type == "choice" and task.options and not _choice_in_range(task):
-            bad("invalid_row", where,
-                f"choice answer '{task.answer}' is not a letter of its {len(task.options)} options")
-            continue
+            return "invalid_row", (f"choice answer '{task.answer}' is not a letter of its "
+                                   f"{len(task.options)} options")
         seen.add(task.id)
-        tasks.append(task)
-    report.kept = len(tasks)
-    return tasks, report
+        return None
+
+    return _read_rows(path, TASKS_FILE, Task, strict=strict, check=check,
+                      missing_hint="run `pyvision data synth` or `pyvision data import` first",
+                      field_reason=lambda loc: "empty_answer" if loc == "answer" else "invalid_row")
 
 
 def _choice_in_range(task: Task) -> bool:
@@ -261,44 +277,18 @@ class Conversation(BaseModel):
 def read_conversations(path: str | Path, *, strict: bool = False,
                        check_media: bool = True) -> tuple[list[Conversation], ReadReport]:
     """Read and validate a conversations JSONL file (or a folder holding one)."""
-    p = Path(path)
-    if p.is_dir():
-        p = p / CONVERSATIONS_FILE
-    if not p.is_file():
-        raise DataError(f"conversations file not found: {p}",
-                        hint="run `pyvision data trajectories` or `pyvision data import` first")
-    report = ReadReport(str(p))
-    out: list[Conversation] = []
-    for number, obj in iter_jsonl(p):
-        report.read += 1
-        where = f"{p}:{number}"
 
-        def bad(reason: str, detail: str) -> None:
-            if strict:  # `where` is this row's: bad() is called within the iteration
-                raise DataError(f"{where}: {detail}",  # noqa: B023
-                                hint=f"fix or remove the row (`pyvision data validate {p}` "
-                                     "lists every bad row)")
-            report.skip(reason, where, detail)  # noqa: B023
+    def check(conv: Conversation, root: Path) -> tuple[str, str] | None:
+        problems = conv.problems(root if check_media else None)
+        if not problems:
+            return None
+        reason = ("missing_media" if problems[0].startswith("missing media") else
+                  "placeholder_mismatch" if "placeholders" in problems[0] else "invalid_row")
+        return reason, problems[0]
 
-        if isinstance(obj, Exception):
-            bad("malformed_json", f"malformed JSON ({obj.msg} at column {obj.colno})")
-            continue
-        try:
-            conv = Conversation.model_validate(obj)
-        except ValidationError as exc:
-            e = exc.errors()[0]
-            loc = ".".join(str(x) for x in e["loc"]) or "row"
-            bad("invalid_row", f"invalid field '{loc}': {e['msg']}")
-            continue
-        problems = conv.problems(p.parent if check_media else None)
-        if problems:
-            reason = ("missing_media" if problems[0].startswith("missing media") else
-                      "placeholder_mismatch" if "placeholders" in problems[0] else "invalid_row")
-            bad(reason, problems[0])
-            continue
-        out.append(conv)
-    report.kept = len(out)
-    return out, report
+    return _read_rows(path, CONVERSATIONS_FILE, Conversation, strict=strict, check=check,
+                      missing_hint="run `pyvision data trajectories` or `pyvision data import` "
+                                   "first")
 
 
 def write_conversations(path: str | Path, conversations: Iterable[Conversation]) -> Path:
