@@ -24,3 +24,10 @@ def test_perf_sandbox_json_shape():
     assert data["concurrent"]["peak_rss_mb"] > 0
     assert data["overhead_ratio"] == pytest.approx(
         data["call_overhead_ms"]["median"] / data["forked_worker_overhead_ms"]["median"], rel=0.05)
+    one = data["one_cpu"]  # both processes pinned to one CPU, in a child process
+    if data["cpus"] > 1:
+        assert one["cpu"] >= 0 and one["call_overhead_ms"]["n"] == 60
+        assert one["overhead_ratio"] == pytest.approx(
+            one["call_overhead_ms"]["median"] / one["forked_worker_overhead_ms"]["median"], rel=0.05)
+    else:
+        assert one is None
