@@ -14,6 +14,7 @@ import os
 import re
 import struct
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -226,20 +227,28 @@ def check_model(model: str, what: str = "model") -> None:
                             hint="copy or save the model again")
 
 
+# fd 2 is the process's, not a thread's: one quiet open at a time. Two overlapping ones would
+# each save what fd 2 points at, and the later save is /dev/null; restored last, it silenced
+# the process's stderr for good (every progress line and error after the first videos opened
+# on the agent loop's threads).
+_FD2_LOCK = threading.Lock()
+
+
 def open_video(path: str | Path) -> Any:
     """A decord ``VideoReader`` of ``path``, opened quietly: decord's failure comes back as the
     exception only. Its log level does not reach the C++ ``LOG(ERROR)`` of a file that will not
     open, which would otherwise put a line of its own above the one-line error; so fd 2 points
-    at /dev/null for the open."""
+    at /dev/null for the open (under a lock: threads open videos concurrently)."""
     import decord
     import decord.logging
 
     decord.logging.set_level(decord.logging.QUIET)
-    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(null, 2)
-        return decord.VideoReader(str(path))
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(null)
+    with _FD2_LOCK:
+        saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(null, 2)
+            return decord.VideoReader(str(path))
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            os.close(null)
