@@ -30,6 +30,9 @@
   }
   const pct = x => (x === null || x === undefined) ? "-" : (Math.round(x * 1000) / 10) + "%";
   const num = (x, d) => (x === null || x === undefined) ? "-" : Number(x).toFixed(d === undefined ? 3 : d);
+  // One line in the list: a long answer (a model that rambles inside <answer>) is cut; the
+  // sample's own view shows it whole.
+  const clip = (t, n = 60) => { t = String(t).replace(/\s+/g, " "); return t.length > n ? t.slice(0, n - 1) + "…" : t; };
   const entryKey = e => D.models[e.m].key + "|" + D.samples[e.s].benchmark + "|" + D.samples[e.s].id;
   const modelIdx = key => D.models.findIndex(m => m.key === key);
   function badge(v) { return el("span", {class: "v v-" + v, text: v}); }
@@ -169,7 +172,7 @@
             r.change ? el("span", {class: "chg chg-" + r.change,
                                    text: r.change + ": " + r.other.verdict + " → " + e.verdict}) : badge(e.verdict),
             el("span", {text: D.models[e.m].key}), el("span", {text: s.benchmark + " #" + s.id}),
-            el("span", {text: "answer " + (e.prediction === null ? "none" : e.prediction) + " / gold " + s.gold}),
+            el("span", {text: "answer " + (e.prediction === null ? "none" : clip(e.prediction)) + " / gold " + clip(s.gold)}),
             el("span", {text: e.tools + " tool calls"}), el("span", {text: e.stop})))));
     }
     if (rows.length > S.shown)
