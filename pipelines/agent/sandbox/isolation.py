@@ -37,6 +37,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import warnings
 from functools import lru_cache
 from pathlib import Path
@@ -49,9 +50,21 @@ from pipelines.errors import UserError
 SANDBOX_ZYGOTE_PATH = "/opt/pyvision/zygote.py"
 
 
-@lru_cache(maxsize=1)
+# One probe per process, and one answer: the agent loop's threads start sandboxes together, and
+# probes run side by side could disagree (one timing out under load) and leave some trajectories
+# under bubblewrap and others under rlimits only.
+_PROBE_LOCK = threading.Lock()
+
+
 def bwrap_available() -> bool:
-    """True when bubblewrap exists and can create the namespaces the sandbox uses."""
+    """True when bubblewrap exists and can create the namespaces the sandbox uses (probed once
+    per process)."""
+    with _PROBE_LOCK:
+        return _probe_bwrap()
+
+
+@lru_cache(maxsize=1)
+def _probe_bwrap() -> bool:
     path = shutil.which("bwrap")
     if not path:
         return False
@@ -67,12 +80,16 @@ _warned_rlimit = False
 
 
 def isolation_mode(config: SandboxConfig | None = None) -> Literal["bwrap", "rlimit"]:
-    """What ``config.isolation`` resolves to on this machine."""
+    """What ``config.isolation`` resolves to on this machine (the rlimit warning once)."""
+    with _PROBE_LOCK:
+        return _isolation_mode(config or SandboxConfig())
+
+
+def _isolation_mode(cfg: SandboxConfig) -> Literal["bwrap", "rlimit"]:
     global _warned_rlimit
-    cfg = config or SandboxConfig()
     if cfg.isolation == "rlimit":
         mode = "rlimit"
-    elif bwrap_available():
+    elif _probe_bwrap():
         mode = "bwrap"
     elif cfg.isolation == "bwrap":
         raise UserError("sandbox isolation 'bwrap' was requested but bubblewrap is missing or "

@@ -825,3 +825,35 @@ def test_frames_big_and_small_cross_whole_and_in_order():
             reader = make_reader(b)
             assert [bytes(read(reader)) for _ in payloads] == payloads
             sender.join()
+
+
+def test_threads_starting_sandboxes_together_probe_bubblewrap_once(monkeypatch):
+    # The agent loop's threads resolve the isolation together; probes run side by side could
+    # disagree (one timing out under load) and split the trajectories between isolation modes.
+    import subprocess
+    import threading
+    import time
+
+    from pipelines.agent.sandbox import isolation
+
+    calls = []
+
+    def slow_probe(*args, **kwargs):
+        calls.append(1)
+        time.sleep(0.2)
+        return subprocess.CompletedProcess(args, 0 if len(calls) == 1 else 1)
+
+    monkeypatch.setattr(isolation.shutil, "which", lambda name: "/usr/bin/bwrap")
+    monkeypatch.setattr(isolation.subprocess, "run", slow_probe)
+    isolation._probe_bwrap.cache_clear()
+    try:
+        modes: list[str] = []
+        threads = [threading.Thread(target=lambda: modes.append(
+            isolation.isolation_mode(SandboxConfig(isolation="auto")))) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        isolation._probe_bwrap.cache_clear()  # the next test probes the real machine
+    assert len(calls) == 1 and modes == ["bwrap"] * 8
