@@ -234,15 +234,21 @@ def check_model(model: str, what: str = "model") -> None:
 _FD2_LOCK = threading.Lock()
 
 
-def open_video(path: str | Path) -> Any:
-    """A decord ``VideoReader`` of ``path``, opened quietly: decord's failure comes back as the
-    exception only. Its log level does not reach the C++ ``LOG(ERROR)`` of a file that will not
-    open, which would otherwise put a line of its own above the one-line error; so fd 2 points
-    at /dev/null for the open (under a lock: threads open videos concurrently)."""
+def open_video(path: str | Path, *, quiet: bool = False) -> Any:
+    """A decord ``VideoReader`` of ``path``.
+
+    ``quiet``: decord's failure comes back as the exception only. Its log level does not reach
+    the C++ ``LOG(ERROR)`` of a file that will not open, which would otherwise put a line of its
+    own above a one-line error; so fd 2 points at /dev/null for the open. That is the whole
+    process's stderr, whatever thread writes to it: only checks of a command's inputs, made
+    before its work starts (and nothing else prints), open quietly; the agent loop's threads
+    open videos that were checked already."""
     import decord
     import decord.logging
 
     decord.logging.set_level(decord.logging.QUIET)
+    if not quiet:
+        return decord.VideoReader(str(path))
     with _FD2_LOCK:
         saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
         try:

@@ -38,6 +38,10 @@ def run(
                                    "isolation": isolation}, "command-line options")
     images = {f"image_clue_{i}": p for i, p in enumerate(image or [])}
     videos = {"video_clue_0": video} if video else {}
+    if video is not None and video.is_file():  # decord's own log line kept out of the error
+        from pipelines.agent.prompts import video_info
+
+        video_info(video, quiet=True)
     with Sandbox(cfg, images=images, videos=videos) as sbx:
         result = sbx.run(code)
     paths = []

@@ -83,11 +83,13 @@ def resize_for_context(image: Any, min_pixels: int, max_pixels: int, factor: int
     return image if size == image.size else image.resize(size)
 
 
-def video_info(path: Path) -> dict[str, Any]:
+def video_info(path: Path, *, quiet: bool = False) -> dict[str, Any]:
+    """Frames, fps and size of a video, and its reader; a DataError when it does not decode.
+    ``quiet`` as :func:`pipelines.inputs.open_video`'s (input checks only)."""
     try:
         from pipelines.inputs import open_video
 
-        reader = open_video(path)
+        reader = open_video(path, quiet=quiet)
         height, width = reader[0].shape[:2]
         return {"frames": len(reader), "fps": float(reader.get_avg_fps()), "width": int(width),
                 "height": int(height), "reader": reader}

@@ -30,7 +30,7 @@ def media_problem(path: Path) -> str | None:
         try:
             from pipelines.inputs import open_video
 
-            if len(open_video(path)) == 0:
+            if len(open_video(path, quiet=True)) == 0:
                 return f"video without frames {path}"
         except Exception as exc:  # noqa: BLE001 - any decoder failure is a finding
             return f"undecodable video {path} ({str(exc).splitlines()[0][:80]})"

@@ -100,7 +100,7 @@ def check_media(name: str, tasks: list[Task]) -> None:
                 raise DataError(f"{name} sample {task.id}: video {video} not found",
                                 hint="copy the benchmark's videos next to its data")
             try:
-                video_info(video)
+                video_info(video, quiet=True)
             except DataError as exc:
                 raise DataError(f"{name} sample {task.id}: {exc.message}", hint=exc.hint) from None
 

@@ -23,7 +23,8 @@ def slow_open(path):
     return most
 decord.VideoReader = slow_open
 out = []
-threads = [threading.Thread(target=lambda: out.append(open_video("v.mp4"))) for _ in range(8)]
+threads = [threading.Thread(target=lambda: out.append(open_video("v.mp4", quiet=True)))
+           for _ in range(8)]
 for t in threads: t.start()
 for t in threads: t.join()
 print("most at once", max(out))
@@ -40,3 +41,19 @@ def test_overlapping_quiet_video_opens_leave_stderr_working():
     assert proc.returncode == 0, proc.stderr
     assert "stderr still reaches its file" in proc.stderr
     assert proc.stdout.strip() == "most at once 1"  # one quiet open at a time
+
+
+def test_a_video_opened_on_the_agent_loops_threads_leaves_fd_2_alone(monkeypatch):
+    # Not quiet (the default): other threads' output must keep reaching stderr meanwhile.
+    import os
+
+    import decord
+
+    from pipelines.inputs import open_video
+
+    def no_swap(*args):
+        raise AssertionError("fd 2 was swapped")
+
+    monkeypatch.setattr(decord, "VideoReader", lambda path: f"reader of {path}")
+    monkeypatch.setattr(os, "dup2", no_swap)
+    assert open_video("v.mp4") == "reader of v.mp4"
