@@ -67,9 +67,13 @@ class Zygote:
         self.cond = threading.Condition()
         self.stderr_tail: list[str] = []
         self.tmp_base: str | None = None
+        self.hung_up = False
 
     def _alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        # A closed control socket is a dead zygote already: the thread that reaps it may not
+        # have yet (poll() says None while that thread's wait() holds the process), and a
+        # waiter woken by the hang-up would otherwise sleep out its whole timeout.
+        return self.proc is not None and not self.hung_up and self.proc.poll() is None
 
     def start(self) -> None:
         host, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -92,6 +96,7 @@ class Zygote:
             stderr=subprocess.PIPE, env=env, cwd=cwd, start_new_session=True)
         child.close()
         self.control = host
+        self.hung_up = False
         threading.Thread(target=self._drain_stderr, daemon=True).start()
         host.settimeout(120)
         try:
@@ -121,6 +126,8 @@ class Zygote:
                 data = b""
             if not data:
                 with self.cond:
+                    if self.control is control:  # not a zygote started since
+                        self.hung_up = True
                     self.cond.notify_all()
                 return
             msg = json.loads(data)

@@ -857,3 +857,36 @@ def test_threads_starting_sandboxes_together_probe_bubblewrap_once(monkeypatch):
     finally:
         isolation._probe_bwrap.cache_clear()  # the next test probes the real machine
     assert len(calls) == 1 and modes == ["bwrap"] * 8
+
+
+def test_a_zygote_that_dies_wakes_its_waiters_at_once():
+    # A waiter (a sandbox start, a wait for a worker's exit) is woken when the zygote's control
+    # socket closes; the reaping thread may not have reaped it yet, and the waiter used to go
+    # back to sleep for its whole timeout.
+    import os
+    import signal
+    import threading
+    import time
+
+    from pipelines.agent.sandbox.zygote_host import Zygote
+
+    z = Zygote("rlimit")
+    z.start()
+    pid = z.proc.pid
+    os.kill(pid, signal.SIGSTOP)  # it answers nothing from now on
+    # As when the reaping thread's wait() still holds the process: poll() cannot tell yet.
+    z.proc.poll = lambda: None
+    waited: list[float] = []
+
+    def wait() -> None:
+        t = time.monotonic()
+        z.wait_exit("nobody", 30.0)
+        waited.append(time.monotonic() - t)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    time.sleep(0.3)
+    os.kill(pid, signal.SIGKILL)
+    waiter.join(40)
+    assert waited and waited[0] < 10, waited
+    assert not z._alive()
