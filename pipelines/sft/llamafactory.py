@@ -246,6 +246,8 @@ def run_streaming(argv: list[str], *, name: str, cwd: Path, log_path: Path,
         def pump() -> None:
             assert proc.stdout is not None
             for line in proc.stdout:
+                if log.closed:  # left running past the join below: the log is the caller's no more
+                    return
                 log.write(line)
                 log.flush()
                 tail.append(line.rstrip("\n"))
@@ -268,6 +270,7 @@ def run_streaming(argv: list[str], *, name: str, cwd: Path, log_path: Path,
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 proc.kill()
+            reader.join(timeout=10)  # its last lines (the shutdown's) reach the log first
             raise
         reader.join(timeout=10)
         if follower is not None and on_log is not None:
@@ -279,7 +282,7 @@ def run_streaming(argv: list[str], *, name: str, cwd: Path, log_path: Path,
 
         err.print(f"[red]{name} exited with code {proc.returncode}; "
                   f"last {len(tail)} lines of its log:[/]")
-        for line in tail:
+        for line in list(tail):  # a copy: a reader still draining a grandchild's pipe appends
             err.print(f"  {line}", markup=False, highlight=False)
         raise SubprocessFailed(
             f"{name} failed with exit code {proc.returncode}; full log: {log_path}",

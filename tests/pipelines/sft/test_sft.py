@@ -143,3 +143,37 @@ def test_resume_continues_from_last_checkpoint(tiny_model_dir, tmp_path):
     assert "Resuming training from" in (sd.path / lf.LOG_FILE).read_text()
     steps = [m["step"] for m in store.metrics("r", "sft", names=["loss"])]
     assert steps == [1, 2, 3, 4], "resumed steps are logged once"
+
+
+def test_an_interrupted_engine_leaves_its_shutdown_lines_in_the_log(tmp_path):
+    # Ctrl-C (or SIGTERM) while an engine runs: it is terminated, and what it prints on its way
+    # out reaches the log before the log is closed (the reader used to be left writing to a
+    # closed file, and those lines were lost).
+    import threading
+    import time
+
+    from pipelines.sft.llamafactory import run_streaming
+
+    follow = tmp_path / "progress.jsonl"
+    script = (f"trap 'sleep 0.2; echo engine shutting down; exit 143' TERM; "
+              f"echo started; echo '{{\"step\": 1}}' > {follow}; "
+              "while true; do sleep 0.05; done")
+    failures: list[BaseException] = []
+    hook = threading.excepthook
+    threading.excepthook = lambda args: failures.append(args.exc_value)
+
+    def interrupt(entry):
+        raise KeyboardInterrupt
+
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_streaming(["sh", "-c", script], name="engine", cwd=tmp_path,
+                          log_path=tmp_path / "engine.log", follow=follow, on_log=interrupt,
+                          on_line=lambda line: time.sleep(0.3),  # a reader a little behind
+                          poll_s=0.05, missing_hint="-", failure_hint="-")
+        time.sleep(1.0)  # a reader left behind would fail now, on the closed log
+    finally:
+        threading.excepthook = hook
+    log = (tmp_path / "engine.log").read_text()
+    assert "started" in log and "engine shutting down" in log, log
+    assert failures == []
