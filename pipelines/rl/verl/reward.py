@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 from functools import lru_cache
 from typing import Any
 
@@ -25,9 +26,19 @@ TERMS = ("score", "accuracy", "tool", "format", "correct", "judged", "judge_fall
 _INTERPRETER_RE = re.compile(r"<interpreter>(.*?)</interpreter>", re.DOTALL)
 
 
-@lru_cache(maxsize=8)
+_SETTINGS_LOCK = threading.Lock()
+
+
 def _settings(recipe_path: str) -> tuple[RewardConfig, Any]:
-    """The run's reward settings and its judge client (one per process, shared by threads)."""
+    """The run's reward settings and its judge client (one per process, shared by threads:
+    verl's reward threads ask together at the start, and each building its own judge would
+    multiply the requests in flight past ``reward.judge.concurrency``)."""
+    with _SETTINGS_LOCK:
+        return _load_settings(recipe_path)
+
+
+@lru_cache(maxsize=8)
+def _load_settings(recipe_path: str) -> tuple[RewardConfig, Any]:
     from pipelines.config.recipe import load_recipe
 
     reward = load_recipe(recipe_path).reward

@@ -592,3 +592,37 @@ def test_dry_run_names_skipped_rows_in_one_readable_line(rl_tasks, tmp_path, mon
     want = (f"warning: verl export skipped 1 row: 1 prompt_too_long; first: "
             f"{rl_tasks}/tasks.jsonl:3: prompt too long")
     assert lines == [want]
+
+
+def test_reward_threads_starting_together_share_one_judge(tmp_path, monkeypatch):
+    # verl's reward threads ask for the run's settings together; a judge each would multiply the
+    # requests in flight past reward.judge.concurrency.
+    import threading
+    import time
+
+    import pipelines.scoring.judge
+    from pipelines.rl.verl import reward
+
+    built: list[int] = []
+
+    class SlowJudge:
+        def __init__(self, cfg):
+            built.append(1)
+            time.sleep(0.2)
+
+    monkeypatch.setattr(pipelines.scoring.judge, "Judge", SlowJudge)
+    recipe = load_recipe(None, ["reward.judge.base_url=http://127.0.0.1:9/v1"])
+    path = tmp_path / "config.yaml"
+    path.write_text(json.dumps(recipe.model_dump(mode="json")))
+    reward._load_settings.cache_clear()
+    try:
+        judges: list[object] = []
+        threads = [threading.Thread(target=lambda: judges.append(reward._settings(str(path))[1]))
+                   for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        reward._load_settings.cache_clear()
+    assert len(built) == 1 and len({id(j) for j in judges}) == 1
