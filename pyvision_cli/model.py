@@ -117,8 +117,11 @@ def pretrain(
                                            **{f"probe/{k}": v for k, v in manifest["probe"].items()}})
     probe = ", ".join(f"{k} {v:.2f}" for k, v in manifest["probe"].items())
     err.print(f"[green]pretrained[/] {target}: loss {manifest['final_loss']:.3f}; probe: {probe}")
-    if json_out:
-        print_json(manifest)
+    if json_out:  # the stage's manifest, as when it had finished before (the model's own
+        # pretraining manifest, with every file's sha256, is in its folder)
+        finished = sd.finished()
+        assert finished is not None  # finished just above
+        print_json(finished.to_json())
 
 
 @command(app)

@@ -115,3 +115,26 @@ def test_the_shipped_base_is_checked_before_it_is_used(tmp_path, monkeypatch):
     with pytest.raises(UserError, match="does not match its manifest"):
         copy_shipped_base("small", tmp_path / "bad")
     assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.slow
+def test_pretrain_json_is_the_stage_manifest_whether_it_trained_now_or_before(tmp_path,
+                                                                              monkeypatch):
+    # A script reads the same shape either way (a fresh run used to print the training
+    # manifest, without the model's folder or the run id).
+    from typer.testing import CliRunner
+
+    from pyvision_cli.main import app
+
+    monkeypatch.chdir(tmp_path)
+    short = [f"model.pretrain.{k}={v}" for k, v in SHORT.model_dump().items()
+             if k in ("steps", "induction_steps", "batch_size", "warmup_steps", "save_every",
+                      "log_every", "max_tokens")]
+    args = ["model", "pretrain", "--out", str(tmp_path / "m"), "--json",
+            "--set", "model.tiny.size=nano", *[a for s in short for a in ("--set", s)]]
+    fresh, again = CliRunner().invoke(app, args), CliRunner().invoke(app, args)
+    assert fresh.exit_code == 0 and again.exit_code == 0, fresh.output + again.output
+    assert json.loads(fresh.stdout) == json.loads(again.stdout)
+    stage = json.loads(fresh.stdout)
+    assert stage["outputs"]["model"] == str(tmp_path / "m") and stage["stage"] == "pretrain"
+    assert set(stage["summary"]) >= {"final_loss", "probe/copy"}
