@@ -51,6 +51,11 @@ def run(
     from pipelines.inputs import check_model, check_writable_dir
 
     check_model(model)
+    if model.startswith(("http://", "https://")):  # one line now, not retries and then a line
+        from pipelines.eval.runner import check_endpoint
+
+        check_endpoint(model, hint="start it (e.g. `vllm serve MODEL --port 8000`) and pass its "
+                                   "URL to --model")
     if out_dir is not None:
         check_writable_dir(out_dir, "--out-dir")
     overrides = list(set_ or [])

@@ -222,6 +222,7 @@ CASES: dict[str, Case] = {
     "agent-image-and-video": Case(f"agent run {M_OK} --question q --image {{i}}/good.png --video {{i}}/a.mp4", ("either --image",)),
     "agent-image-bomb": Case(f"agent run {M_OK} --question q --image {{i}}/bomb.png", ("bomb.png",)),
     "agent-image-corrupt": Case(f"agent run {M_OK} --question q --image {{i}}/corrupt.png", ("corrupt.png",)),
+    "agent-server-down": Case("agent run --model http://127.0.0.1:9/v1 --question q --image {i}/good.png", ("http://127.0.0.1:9/v1", "does not answer")),
     "agent-question-empty": Case(f"agent run {M_OK} --question '' --image {{i}}/good.png", ("--question is empty",)),
     "agent-question-blank": Case(f"agent run {M_OK} --question '  ' --image {{i}}/good.png", ("--question is empty",)),
     "agent-model-empty-text": Case("agent run --model '' --question q --image {i}/good.png", ("--model is empty",)),
