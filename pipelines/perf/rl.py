@@ -55,6 +55,8 @@ def run_benchmark(*, model: str | None = None, size: str = "small", tasks: str |
         f"rl.local.threads={threads}", f"agent.max_new_tokens_per_turn={max_new_tokens}",
         f"agent.image_max_pixels={image_max_pixels}", "reward.judge.base_url=null",
         *overrides])
+    # Given prompts are read (and refused) before minutes of model building.
+    items = load_rl_tasks([tasks]) if tasks is not None else None
     with tempfile.TemporaryDirectory(prefix="pyvision-perf-rl-") as tmp:
         build_s = 0.0
         shaped = size if model is None and size in SHAPES else None
@@ -90,7 +92,8 @@ def run_benchmark(*, model: str | None = None, size: str = "small", tasks: str |
             attach_lora(policy_model, recipe.rl.lora)
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        items = load_rl_tasks([tasks])
+        if items is None:
+            items = load_rl_tasks([tasks])
         engine = LocalEngine(recipe, policy_model, processor, items,
                              TaskSampler(len(items), seed))
         roll = {"trajectories": 0, "generated_tokens": 0, "turns": 0, "seconds": 0.0,

@@ -304,6 +304,7 @@ CASES: dict[str, Case] = {
     "missing-argument": Case("model tiny", ("Missing argument", "out_dir")),
     "perf-eval-nothing-to-measure": Case("perf eval --n-image 0 --n-video 0", ("nothing to measure",)),
     "perf-eval-model-missing": Case("perf eval --model {i}/nope", ("model not found", "nope")),
+    "perf-rl-tasks-missing": Case("perf rl --size nano --tasks {i}/nope", ("tasks file not found", "nope")),
     "perf-rl-model-missing": Case("perf rl --model {i}/nope", ("policy model not found", "nope")),
     "perf-rl-set-unknown-key": Case("perf rl --set rl.bogus=1", ("unknown config key 'rl.bogus'", "with --set rl.bogus=1;")),
     "probe-model-missing": Case("model probe {i}/nope", ("model not found", "nope")),
