@@ -626,3 +626,13 @@ def test_reward_threads_starting_together_share_one_judge(tmp_path, monkeypatch)
     finally:
         reward._load_settings.cache_clear()
     assert len(built) == 1 and len({id(j) for j in judges}) == 1
+
+
+def test_export_counts_prompt_tokens_with_a_transformers_5_processor(tiny_model_dir, capsys):
+    # transformers 5 saves processor_config.json only; the export had read that as "no
+    # processor", warned, and left prompt lengths to the agent loop.
+    from pipelines.rl.verl.launch import _processor
+
+    assert not (tiny_model_dir / "preprocessor_config.json").exists()
+    assert _processor(str(tiny_model_dir)) is not None
+    assert "not a local model folder" not in capsys.readouterr().err
