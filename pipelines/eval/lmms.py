@@ -128,8 +128,10 @@ def run_lmms_eval(model: str, benchmarks: list[str], *, run_id: str, model_tag: 
         # exits 0, so a run without a fresh results file is a failure too.
         text = log.read_text(errors="replace")
         err.print("[red]lmms-eval failed; last lines of its log:[/]")
-        for line in text.strip().splitlines()[-15:]:
-            err.print(f"  {line}", markup=False)
+        from rich.text import Text
+
+        for line in text.strip().splitlines()[-15:]:  # lmms-eval colours its log (loguru)
+            err.print(Text("  ") + Text.from_ansi(line))
         errors = _ERROR_LINE.findall(text)
         reason = errors[-1].strip()[:240] if errors else f"exit code {proc.returncode}"
         raise SubprocessFailed(f"lmms-eval wrote no results ({reason}); log: {log}",

@@ -210,7 +210,8 @@ def test_cli_harness_failure_is_exit_2_and_writes_nothing(monkeypatch, tmp_path:
         assert argv[1:3] == ["-m", "lmms_eval"]
         stdout.write("Traceback (most recent call last):\n  ...\n"
                      "ValueError: Tasks not found: no_such_task. Try `lmms-eval --tasks list`\n"
-                     "ERROR | Error during evaluation\n")
+                     "\x1b[32m2026-11-26 15:02:55\x1b[0m | \x1b[1mERROR\x1b[0m | Error during "
+                     "evaluation\n")
         return subprocess.CompletedProcess(argv, 0)
 
     monkeypatch.setattr(subprocess, "run", fake_lmms_eval)
@@ -220,5 +221,8 @@ def test_cli_harness_failure_is_exit_2_and_writes_nothing(monkeypatch, tmp_path:
     assert result.exit_code == 2, result.output
     (line,) = [x for x in result.output.splitlines() if x.startswith("error:")]
     assert "lmms-eval wrote no results (ValueError: Tasks not found: no_such_task." in line
+    # Its log's tail is shown without lmms-eval's colour codes.
+    assert "2026-11-26 15:02:55 | ERROR | Error during evaluation" in result.output
+    assert "\x1b[" not in result.output
     store = Store()
     assert store.runs() == [] and store.eval_aggregates() == []
