@@ -118,6 +118,16 @@ def flatten_into(tmp: Path, sub: str) -> None:
 LORA_MARKER = "pyvision_lora.json"
 
 
+# What a saved processor leaves in a model folder: transformers 5 writes one
+# processor_config.json, hub checkpoints (and older versions) preprocessor_config.json.
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
+
+
+def has_processor(folder: str | Path) -> bool:
+    """Whether ``folder`` holds a saved processor (either file name)."""
+    return any((Path(folder) / f).is_file() for f in PROCESSOR_FILES)
+
+
 def merge_peft(adapter: str | Path, base: str | Path, out: Path) -> Path:
     """``base`` with the peft LoRA ``adapter`` merged in, saved (with a processor) into ``out``."""
     import torch
@@ -129,7 +139,7 @@ def merge_peft(adapter: str | Path, base: str | Path, out: Path) -> Path:
         str(base), dtype=torch.float32 if _small(base) else "auto")
     merged = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
     merged.save_pretrained(out)
-    source = adapter if (adapter / "preprocessor_config.json").is_file() else base
+    source = adapter if has_processor(adapter) else base
     AutoProcessor.from_pretrained(str(source)).save_pretrained(out)
     return out
 

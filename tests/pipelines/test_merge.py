@@ -324,3 +324,16 @@ def test_merge_lora_gives_llamafactory_absolute_paths(tmp_path, monkeypatch):
     for key in ("model_name_or_path", "adapter_name_or_path", "export_dir"):
         assert export[key].startswith("/"), (key, export[key])
     assert export["adapter_name_or_path"] == str(tmp_path / "lora")
+
+
+def test_a_saved_processor_is_found_under_either_file_name(tmp_path, tiny_model_dir):
+    # transformers 5 writes processor_config.json (the project's own models and LoRA adapters),
+    # hub checkpoints preprocessor_config.json; the merge and the verl export read both.
+    from pipelines.core.modeldir import has_processor
+
+    assert has_processor(tiny_model_dir)
+    old = tmp_path / "old"
+    old.mkdir()
+    assert not has_processor(old)
+    (old / "preprocessor_config.json").write_text("{}")
+    assert has_processor(old)

@@ -119,9 +119,9 @@ def _val_sources(recipe: Recipe, sd: StageDir) -> list[str]:
 def _processor(model: str) -> Any:
     """The policy's processor when it is a local folder (to count prompt tokens at export), else
     None: the agent loop still drops an over-long prompt, counted, at rollout time."""
-    # transformers 5 saves one processor_config.json; hub checkpoints have preprocessor_config.json.
-    if not any((Path(model) / f).is_file()
-               for f in ("preprocessor_config.json", "processor_config.json")):
+    from pipelines.core.modeldir import has_processor
+
+    if not has_processor(model):
         from pipelines.console import err
 
         err.print(f"[yellow]verl export: {model} is not a local model folder with a processor, "
