@@ -398,7 +398,7 @@ def score_number(prediction: str | None, gold: str | float, rel_tol: float = 0.0
         return read
     value, gold_value = read
     ok = math.isclose(value, gold_value, rel_tol=rel_tol, abs_tol=1e-9)
-    return Verdict(float(ok), ok, NUMBER_SCORER, f"read {value:g}, gold {float(gold_value):g}")
+    return Verdict(float(ok), ok, NUMBER_SCORER, f"read {value:g}, gold {gold_value:g}")
 
 
 def mean_relative_accuracy(pred: float, gold: float, start: float = 0.5, end: float = 0.95,
@@ -429,7 +429,7 @@ def score_mra(prediction: str | None, gold: str | float, threshold: float = 0.5)
     value, gold_value = read
     mra = mean_relative_accuracy(value, gold_value)
     return Verdict(mra, mra >= threshold, MRA_SCORER,
-                   f"read {value:g}, gold {float(gold_value):g}, MRA {mra:.2f}")
+                   f"read {value:g}, gold {gold_value:g}, MRA {mra:.2f}")
 
 
 # -- mathematics ---------------------------------------------------------------------------------
