@@ -56,6 +56,8 @@ SERVER_FIELDS: dict[str, dict[str, Any]] = {
 """Fields each server gets beyond the OpenAI API (keep the stop string, keep special tokens)."""
 
 _WARN_EVERY_S = 30.0
+CLOSE_DRAIN_S = 2.0
+"""How long :meth:`ChatClient.close` waits for the requests in flight to end."""
 
 
 class Cancelled(Exception):
@@ -166,6 +168,7 @@ class ChatClient:
         self._http = self._new_http()
         self._retired: list[Any] = []
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # notified when no request is in flight
         self._ids = itertools.count()
         self._flights: dict[int, float] = {}
         self._retry_note: tuple[float, str] | None = None
@@ -263,9 +266,11 @@ class ChatClient:
             if self._completion_tokens and "max_tokens" in payload:
                 payload["max_completion_tokens"] = payload.pop("max_tokens")
             fid = next(self._ids)
-            with self._lock:
+            with self._lock:  # with close(): a request is either in flight or never sent
+                if self._cancel.is_set():
+                    raise Cancelled(f"{self.role} {self.url}: cancelled")
                 self._flights[fid] = time.monotonic()
-            http = self._http
+                http = self._http
             try:
                 resp = http.post(f"{self.url}/chat/completions", json=payload,
                                  headers=self._headers())
@@ -315,6 +320,8 @@ class ChatClient:
             finally:
                 with self._lock:
                     self._flights.pop(fid, None)
+                    if not self._flights:
+                        self._idle.notify_all()
             if (stop_failures >= 2 and not probed and "stop" in payload and not self._stop_ok
                     and self.server not in ("vllm", "sglang")):
                 # Twice a 500 for this request with stop strings: perhaps the server cannot
@@ -445,10 +452,17 @@ class ChatClient:
 
         err.print(f"[yellow]warning:[/] {escape(text)}", soft_wrap=True, highlight=False)
 
-    def close(self) -> None:
-        """Stop waiting: requests still retrying give up, the connections close."""
-        self._cancel.set()
+    def close(self, drain_s: float = CLOSE_DRAIN_S) -> None:
+        """Stop waiting: requests still retrying give up, the connections close, and for up to
+        ``drain_s`` seconds the requests in flight are waited for, so that none is still on its
+        way when this returns (httpx lets a request that got past its own closed-client check
+        open a new connection after ``close``: a teacher brought back on the same port would
+        get it). A request the server is already answering may outlive the wait; it has been
+        sent and sends nothing more."""
         with self._lock:
+            self._cancel.set()
             clients, self._retired = [self._http, *self._retired], []
         for client in clients:
             client.close()
+        with self._idle:
+            self._idle.wait_for(lambda: not self._flights, timeout=drain_s)

@@ -287,3 +287,47 @@ def test_eval_against_a_server_with_several_models_asks_for_one_before_writing(
     line = " ".join(result.output.split())
     assert "serves 2 models (a, b)" in line and "--served-model NAME" in line
     assert Store().runs() == []
+
+
+def test_close_leaves_no_request_on_its_way(monkeypatch) -> None:
+    """A request that got past httpx's closed-client check opens a new connection even after
+    ``close()``: a server brought back on the same port (a teacher restarted after it died) got
+    one stray request from the run that had already given up. ``close()`` now returns only once
+    the requests in flight have ended."""
+    import httpx
+
+    from pipelines.agent.policies.endpoint import Cancelled
+
+    received: list[float] = []
+    inner = httpx.HTTPTransport.handle_request
+    on_its_way = threading.Event()
+
+    def slow_send(self, request):
+        on_its_way.set()
+        time.sleep(0.4)  # a thread the scheduler held back, past the client's own check
+        return inner(self, request)
+
+    monkeypatch.setattr(httpx.HTTPTransport, "handle_request", slow_send)
+
+    def respond(body: dict):
+        received.append(time.monotonic())
+        return 200, chat_completion("<answer>\n\\boxed{1}\n</answer>")
+
+    with FakeOpenAI(respond, models=[]) as server:
+        client = ChatClient(server.url, ClientConfig(server="openai", **FAST), warn=False)
+        outcome: list[object] = []
+
+        def ask() -> None:
+            try:
+                outcome.append(client.complete({"model": "m", "messages": []}))
+            except Exception as exc:  # noqa: BLE001 - the test reads what happened
+                outcome.append(exc)
+
+        thread = threading.Thread(target=ask)
+        thread.start()
+        assert on_its_way.wait(5)
+        client.close()
+        closed_at = time.monotonic()
+        thread.join(5)
+    assert all(t <= closed_at for t in received), "a request reached the server after close()"
+    assert len(outcome) == 1 and (isinstance(outcome[0], (dict, Cancelled)))
