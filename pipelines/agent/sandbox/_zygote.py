@@ -455,6 +455,9 @@ def _warm_up(preloaded: dict) -> None:
 
 # Matplotlib interpolations whose picture a PIL filter of the same kind reproduces (used when a
 # figure that is one image is composed without matplotlib; see ``Runtime._single_image``).
+SHRINK_REDUCING_GAP = 1.0
+"""Pillow's ``reducing_gap`` for a composed figure's image: shrunk by a factor ``f`` >= 2, it is
+first reduced ``int(f)`` times by box averaging (cheap), and the filter does the rest."""
 PIL_FILTERS = {"nearest": "NEAREST", "none": "NEAREST", "bilinear": "BILINEAR",
                "bicubic": "BICUBIC", "lanczos": "LANCZOS", "hanning": "HAMMING",
                "hamming": "HAMMING"}
@@ -1034,7 +1037,13 @@ class Runtime:
             return None
         box = (bx1 - bx0, by1 - by0)
         if box != src.size:
-            src = src.resize(box, getattr(Image.Resampling, PIL_FILTERS[interp]))
+            resample = getattr(Image.Resampling, PIL_FILTERS[interp])
+            # Shrunk 2x or more: reduced by the whole factor first (a box average), then
+            # filtered (as ``Image.thumbnail`` does); 1.8 against 2.9 ms for a crop zoomed to
+            # 768 px and shown at 302 px, and as close to what matplotlib draws (a test bounds
+            # the difference). Nearest-neighbour images are never averaged.
+            gap = SHRINK_REDUCING_GAP if resample != Image.Resampling.NEAREST else None
+            src = src.resize(box, resample, reducing_gap=gap)
         if box == (W, H):
             return src
         r, g, b = facecolor[:3]
