@@ -14,6 +14,7 @@ import json
 import os
 import socket
 import struct
+import threading
 import time
 import uuid
 from collections.abc import Mapping
@@ -220,6 +221,9 @@ class Sandbox:
         self._sid = ""
         self._restarted = False
         self._closed = False
+        # The worker's socket and output buffer change hands under this lock: the agent loop may
+        # close a sandbox (its exception path) while a pool thread is in ``run``.
+        self._state = threading.Lock()
         self._start()
 
     @property
@@ -276,14 +280,15 @@ class Sandbox:
 
     def run(self, code: str) -> ExecResult:
         """Run ``code`` in the persistent runtime; never raises for anything the code does."""
-        if self._closed:
-            raise RuntimeError("sandbox is closed")
         note = ""
-        if self._sock is None:
-            self._start()
-            note = ("[sandbox: the runtime was restarted after the previous call failed; "
-                    "variables defined earlier are gone, the media are loaded again]\n")
-        sock = self._sock
+        with self._state:  # a close() now waits for this restart, then ends the new worker
+            if self._closed:
+                raise RuntimeError("sandbox is closed")
+            if self._sock is None:
+                self._start()
+                note = ("[sandbox: the runtime was restarted after the previous call failed; "
+                        "variables defined earlier are gone, the media are loaded again]\n")
+            sock = self._sock
         assert sock is not None
         start = time.monotonic()
         try:
@@ -306,6 +311,9 @@ class Sandbox:
                                 f"longer than the {t:g} s limit and was stopped (with every "
                                 "process it started)", note, start)
         except (EOFError, OSError, ValueError) as exc:
+            if self._closed:  # close() ended the worker from another thread: nothing to wait for
+                return self._failed("crashed", "The sandbox was closed while the code ran.",
+                                    note, start)
             info = self._zygote.wait_exit(self._sid, 2.0) or {}
             self._kill()
             return self._crash_result(info, exc, note, start)
@@ -328,7 +336,8 @@ class Sandbox:
         return ExecResult(status, note + stdout, reason, [], time.monotonic() - start, truncated)
 
     def _printed_before(self) -> tuple[str, bool]:
-        fd, self._output_fd = self._output_fd, None
+        with self._state:  # whoever takes the descriptor closes it
+            fd, self._output_fd = self._output_fd, None
         if fd is None:
             return "", False
         limit = self.config.max_output_chars
@@ -359,20 +368,24 @@ class Sandbox:
         if wait:  # after a timeout: make sure it is gone before a restart
             self._zygote.wait_exit(self._sid, 2.0)
         self._zygote.forget(self._sid)
-        if self._sock is not None:
-            self._sock.close()
-        self._sock = None
+        with self._state:
+            sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
 
     def close(self) -> None:
-        """End the sandbox and every process it started (idempotent)."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._sock is not None:
+        """End the sandbox and every process it started (idempotent; safe while another thread
+        is in ``run``, whose call then ends as a crash)."""
+        with self._state:
+            if self._closed:
+                return
+            self._closed = True
+            running = self._sock is not None
+            fd, self._output_fd = self._output_fd, None
+        if running:
             self._kill(wait=False)
-        if self._output_fd is not None:
-            os.close(self._output_fd)
-            self._output_fd = None
+        if fd is not None:
+            os.close(fd)
 
     def __enter__(self) -> Self:
         return self

@@ -890,3 +890,44 @@ def test_a_zygote_that_dies_wakes_its_waiters_at_once():
     waiter.join(40)
     assert waited and waited[0] < 10, waited
     assert not z._alive()
+
+
+# The agent loop closes its sandboxes on its exception path while pool threads may still be in
+# `run`: closing must end the call at once, and never leave a worker running.
+def test_closing_a_sandbox_during_a_call_ends_the_call_at_once() -> None:
+    import threading
+
+    s = Sandbox(SandboxConfig(timeout_s=20))
+    out: list[ExecResult] = []
+    thread = threading.Thread(target=lambda: out.append(s.run("import time; time.sleep(15)")))
+    thread.start()
+    time.sleep(0.5)
+    t = time.monotonic()
+    s.close()
+    thread.join(10)
+    assert not thread.is_alive() and time.monotonic() - t < 1.5
+    assert out[0].status == "crashed" and "closed while the code ran" in out[0].stderr
+    with pytest.raises(RuntimeError, match="closed"):
+        s.run("x = 1")
+
+
+def test_a_close_during_a_restart_leaves_no_worker(monkeypatch) -> None:
+    """A call after a crash restarts the worker; a close() landing during that restart used to
+    see no worker, return, and leave the new one running for as long as the process lived."""
+    import threading
+
+    s = Sandbox(SandboxConfig(timeout_s=20))
+    assert s.run("import os; os._exit(3)").status == "crashed"
+    real_start = Sandbox._start
+    closer = threading.Thread(target=s.close)
+
+    def start_while_closing(self) -> None:
+        closer.start()
+        time.sleep(0.3)  # close() runs now (old code) or waits for the restart (new)
+        real_start(self)
+
+    monkeypatch.setattr(Sandbox, "_start", start_while_closing)
+    result = s.run("x = 1")
+    closer.join(10)
+    assert result.status in ("ok", "crashed")
+    assert s._sock is None and s._output_fd is None  # the restarted worker was ended too
