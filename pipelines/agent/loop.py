@@ -25,10 +25,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import itertools
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -96,9 +97,27 @@ def run_episodes(items: Iterable[tuple[Task, Path]], policy: Policy, agent_cfg: 
         close_sandbox(ep)
         done.append(t)
 
+    prepared: dict[int, Future] = {}
+
+    def prepare(item: int, task: Task, root: Path) -> Future:
+        """A task's first turn (its images decoded and resized), built once for all its samples
+        and on a pool thread, ahead of the episode that needs it."""
+        if item not in prepared:
+            prepared[item] = pool.submit(build_initial_messages, task, root,
+                                         variant_for(task, agent_cfg, variant), agent_cfg)
+        return prepared[item]
+
+    def prefetch() -> None:
+        for item, _, task, root in itertools.islice(queue, batch_size):
+            prepare(item, task, root)
+
     def start(item: int, sample: int, task: Task, root: Path) -> Episode:
         v = variant_for(task, agent_cfg, variant)
-        messages, info, runtime = build_initial_messages(task, root, v, agent_cfg)
+        messages, info, runtime = prepare(item, task, root).result()
+        if sample == n_per_item - 1:
+            prepared.pop(item, None)
+        # Each sample its own turn list (policies append to it); the images are shared, read-only.
+        messages = [{**m, "content": [dict(p) for p in m["content"]]} for m in messages]
         traj = Trajectory(task_id=task.id, data_source=task.data_source, variant=v,
                           prompt_version=info.version, prompt_hash=info.sha256, mode=mode,
                           sample_index=sample, group_index=item)
@@ -138,6 +157,7 @@ def run_episodes(items: Iterable[tuple[Task, Path]], policy: Policy, agent_cfg: 
     streams = policy is not None and "on_done" in inspect.signature(policy.generate).parameters
     try:
         while queue or active:
+            prefetch()
             while queue and len(active) < batch_size:
                 ep = start(*queue.popleft())
                 if max_prompt_tokens is not None and \
@@ -150,6 +170,7 @@ def run_episodes(items: Iterable[tuple[Task, Path]], policy: Policy, agent_cfg: 
                     # Fork the sandbox and load its media now, while the model generates,
                     # instead of when the first code block is ready (off the critical path).
                     ep.sandbox_ready = pool.submit(new_sandbox, ep)
+            prefetch()  # the next episodes' prompts, while this batch generates
             yield from _drain(done)
             if not active:
                 continue

@@ -242,3 +242,39 @@ def test_smart_resize_matches_qwen_vl_utils(h, w):
         if max(h, w) / min(h, w) > 200:
             continue
         assert smart_resize(h, w, 28, lo, hi) == reference(h, w, factor=28, min_pixels=lo, max_pixels=hi)
+
+
+def test_a_tasks_first_turn_is_built_once_for_its_samples(image_task, monkeypatch, tmp_path):
+    """RL draws n samples of a prompt: its images are decoded and resized once (on a pool
+    thread, ahead of the episode), each sample still gets its own turn list, and the
+    trajectories are those of building it per sample."""
+    from pipelines.agent import loop
+
+    other = tmp_path / "other"
+    other.mkdir()
+    Image.new("RGB", (240, 160), (20, 200, 20)).save(other / "a.png")
+    second = (Task(id="t2", data_source="synth/image-search", question="How wide?",
+                   images=["a.png"], answer="240", answer_type="number"), other)
+    builds: list[str] = []
+    real = loop.build_initial_messages
+
+    def counting(task, *args):
+        builds.append(task.id)
+        return real(task, *args)
+
+    monkeypatch.setattr(loop, "build_initial_messages", counting)
+    agent = AgentConfig(max_turns_eval=5)
+    policy = ScriptedPolicy([CODE_TURN, ANSWER_TURN])
+    handles: list = []
+    begin = policy.begin
+    monkeypatch.setattr(policy, "begin", lambda m: handles.append(begin(m)) or handles[-1])
+    trajs = list(run_episodes([image_task, second], policy, agent, SandboxConfig(timeout_s=10),
+                              batch_size=2, n_per_item=3))
+    assert sorted(builds) == ["t1", "t2"]
+    assert sorted((t.task_id, t.sample_index) for t in trajs) == [
+        ("t1", 0), ("t1", 1), ("t1", 2), ("t2", 0), ("t2", 1), ("t2", 2)]
+    assert len({id(h.messages) for h in handles}) == 6  # no sample shares another's turns
+    assert len({id(h.messages[0]["content"]) for h in handles}) == 6
+    assert {t.task_id: t.turns[0].result.stdout for t in trajs} == {
+        "t1": "(300, 200)\n", "t2": "(240, 160)\n"}
+    assert all(t.stop_reason == "answered" and len(t.images) == 2 for t in trajs)
