@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import difflib
 import hashlib
+import inspect
 import json
 import math
 import os
@@ -61,6 +62,8 @@ from pipelines.fsutil import atomic_write_json, atomic_write_text
 
 DATASET_NAME = "pyvision_distill"
 INDEX = "index.jsonl"
+FAILED_DRAIN_S = 30.0
+"""How long a distillation that lost its teacher waits for the requests still in flight."""
 SETTINGS = "settings.json"
 TEACHER_HINT = ("start it (e.g. `vllm serve Qwen/Qwen2.5-VL-72B-Instruct --port 8000`, or "
                 "`transformers serve MODEL --port 8000`) and pass its URL to --teacher (in a "
@@ -355,7 +358,13 @@ def distill(recipe: Recipe, task_dirs: list[str | Path], out: str | Path, *,
         bar.close()
         close = getattr(policy, "close", None)
         if close is not None:
-            close()
+            if isinstance(exc, EndpointError) and "drain_s" in inspect.signature(close).parameters:
+                # The teacher is gone: the requests still in flight fail fast; wait for every
+                # one, so none reaches a teacher brought back on the same port (Ctrl-C waits
+                # 2 s at most).
+                close(drain_s=FAILED_DRAIN_S)
+            else:
+                close()
         kept = (f"the {drawn} samples drawn in this run are kept in {out / 'samples'}; run the "
                 "same command again to draw the rest")
         if isinstance(exc, EndpointError):

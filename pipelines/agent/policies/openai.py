@@ -21,7 +21,7 @@ from typing import Any
 
 from pipelines.agent.policies.base import Generation, Sampling
 from pipelines.agent.policies.chat import ChatMessages
-from pipelines.agent.policies.endpoint import ChatClient, DaemonPool, wait_all
+from pipelines.agent.policies.endpoint import CLOSE_DRAIN_S, ChatClient, DaemonPool, wait_all
 from pipelines.agent.protocol import CODE_STOP, stopped_inside_code, truncate_at_code_stop
 from pipelines.config.client import ClientConfig
 
@@ -126,9 +126,9 @@ class OpenAIPolicy(ChatMessages):
         """A short line while the server looks stalled (for progress displays)."""
         return self.client.activity()
 
-    def close(self) -> None:
-        """Stop waiting for the server (requests in flight give up)."""
-        self.client.close()
+    def close(self, drain_s: float = CLOSE_DRAIN_S) -> None:
+        """Stop waiting for the server (requests in flight give up; see ``ChatClient.close``)."""
+        self.client.close(drain_s)
 
     # -- generation ----------------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ Every server here is a real HTTP server on loopback (tests/helpers.FakeOpenAI).
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from pathlib import Path
@@ -150,8 +151,9 @@ def test_a_timeout_is_retried_then_named_and_a_stall_shows_meanwhile() -> None:
         assert "no answer within 0.4 s; retry 1 of 1" in (policy.activity() or "")
         release.set()
     client = ChatClient("http://127.0.0.1:9", ClientConfig(stall_s=1.0), warn=False)
-    client._flights[0] = time.monotonic() - 5  # a request waiting for five seconds
-    assert "waiting 5 s for http://127.0.0.1:9/v1 (1 in flight)" in client.activity()
+    client._flights[0] = time.monotonic() - 5.2  # a request waiting for five seconds
+    assert re.search(r"waiting [56] s for http://127\.0\.0\.1:9/v1 \(1 in flight\)",
+                     client.activity() or "")
 
 
 def test_the_served_model_is_asked_when_not_given() -> None:
@@ -326,7 +328,7 @@ def test_close_leaves_no_request_on_its_way(monkeypatch) -> None:
         thread = threading.Thread(target=ask)
         thread.start()
         assert on_its_way.wait(5)
-        client.close()
+        client.close(drain_s=10)
         closed_at = time.monotonic()
         thread.join(5)
     assert all(t <= closed_at for t in received), "a request reached the server after close()"
