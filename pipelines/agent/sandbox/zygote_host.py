@@ -58,7 +58,9 @@ class Zygote:
 
     def __init__(self, mode: Literal["bwrap", "rlimit"]) -> None:
         self.mode = mode
-        self.lock = threading.Lock()
+        # Re-entrant: a Sandbox freed by the garbage collector while this thread holds it (in
+        # spawn) kills its worker from __del__, which takes it again.
+        self.lock = threading.RLock()
         self.proc: subprocess.Popen | None = None
         self.control: socket.socket | None = None
         self.events: dict[str, dict] = {}
