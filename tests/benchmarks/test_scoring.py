@@ -185,9 +185,9 @@ def test_rule_scorers_stay_fast_on_hostile_padding(answer_type, gold, kw) -> Non
 
     t = task(gold, answer_type, **kw)
     for text in HOSTILE:
-        start = time.monotonic()
+        start = time.thread_time()  # this thread's CPU: a busy machine's waits do not count
         verdict = verify(t, text)
-        assert time.monotonic() - start < 1.0, text[:30]
+        assert time.thread_time() - start < 1.0, text[:30]
         assert 0.0 <= verdict.score <= 1.0
 
 
