@@ -75,7 +75,9 @@ def judge_server(replies: list[tuple[int, str]]) -> FakeOpenAI:
 
 
 def _judge(url, store=None, retries=2):
-    return Judge(JudgeConfig(base_url=url, max_retries=retries, backoff_s=0.0, timeout_s=2), store)
+    # A generous timeout: these servers answer at once, and a stalled reply on a busy machine
+    # would be retried and take the next scripted one.
+    return Judge(JudgeConfig(base_url=url, max_retries=retries, backoff_s=0.0, timeout_s=30), store)
 
 
 def test_judge_answers_and_caches(tmp_path):
