@@ -453,11 +453,12 @@ def _warm_up(preloaded: dict) -> None:
     gc.freeze()
 
 
-# Matplotlib interpolations whose picture a PIL filter of the same kind reproduces (used when a
-# figure that is one image is composed without matplotlib; see ``Runtime._single_image``).
 SHRINK_REDUCING_GAP = 1.0
 """Pillow's ``reducing_gap`` for a composed figure's image: shrunk by a factor ``f`` >= 2, it is
 first reduced ``int(f)`` times by box averaging (cheap), and the filter does the rest."""
+
+# Matplotlib interpolations whose picture a PIL filter of the same kind reproduces (used when a
+# figure that is one image is composed without matplotlib; see ``Runtime._single_image``).
 PIL_FILTERS = {"nearest": "NEAREST", "none": "NEAREST", "bilinear": "BILINEAR",
                "bicubic": "BICUBIC", "lanczos": "LANCZOS", "hanning": "HAMMING",
                "hamming": "HAMMING"}
