@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import difflib
 import hashlib
-import inspect
 import json
 import math
 import os
@@ -358,13 +357,9 @@ def distill(recipe: Recipe, task_dirs: list[str | Path], out: str | Path, *,
         bar.close()
         close = getattr(policy, "close", None)
         if close is not None:
-            if isinstance(exc, EndpointError) and "drain_s" in inspect.signature(close).parameters:
-                # The teacher is gone: the requests still in flight fail fast; wait for every
-                # one, so none reaches a teacher brought back on the same port (Ctrl-C waits
-                # 2 s at most).
-                close(drain_s=FAILED_DRAIN_S)
-            else:
-                close()
+            # After a failure the requests still in flight fail fast: wait for every one, so
+            # none reaches a teacher brought back on the same port (Ctrl-C waits 2 s at most).
+            close(**({"drain_s": FAILED_DRAIN_S} if isinstance(exc, EndpointError) else {}))
         kept = (f"the {drawn} samples drawn in this run are kept in {out / 'samples'}; run the "
                 "same command again to draw the rest")
         if isinstance(exc, EndpointError):
