@@ -35,7 +35,11 @@ padding in a row, before its cached states and before its new tokens; :func:`_cl
 gathers each row's states right-aligned again, so decode steps attend over no more keys than
 without a cache. The logits differ from a whole-context prefill by float32 rounding only
 (``tests/pipelines/agent/test_kv_reuse.py``). On the demo's SFT model (64 held-out image tasks,
-batch 16, 256 tokens a turn) this prefills 19k tokens instead of 56k.
+batch 16, 256 tokens a turn) this prefills 19k tokens instead of 56k. A batch that mixes
+continuing rows with new episodes (whose whole prompt is new) prefills the two groups apart
+(:func:`_prefill_apart`), so neither is padded to the other's width: on that evaluation this
+halved the prefill's token slots (38k to 20k) and its time (4.3 s to 2.8 s), with the same
+greedy trajectories.
 
 A second temperature can apply inside code (``code_temperature``, Thyme's idea): a row samples at
 ``code_temperature`` from the token after its turn has opened a ``<code>`` block (``opens_code``
@@ -365,14 +369,17 @@ def decode_batch(model: Any, ids: Any, attn: Any, vision: dict[str, Any], *, max
                  code_temperature: float | None = None,
                  opens_code: Callable[[list[int]], bool] | None = None,
                  lean: bool = True, positions: Any = None, past: Past | None = None,
-                 keep_cache: bool = False, context: Any = None) -> list[Row]:
+                 keep_cache: bool = False, context: Any = None,
+                 row_images: Sequence[int] | None = None) -> list[Row]:
     """Generate for every row of a left-padded batch until it stops; see the module docstring.
 
     With ``past``, ``ids`` / ``attn`` / ``vision`` are only what follows each row's cached states
     (its new tokens, and the pixels of the images among them) and ``positions`` (``[3, B, L]``,
     required then) their positions in the whole context, and ``context`` (left-padded) the whole
     contexts that logits processors see. ``keep_cache`` fills each row's :attr:`Row.cache`
-    before ``on_done`` sees it.
+    before ``on_done`` sees it. ``row_images`` (how many of ``vision``'s images belong to each
+    row, in order) lets a batch that mixes rows with and without cached states prefill the two
+    apart (:func:`_prefill_apart`).
 
     ``stops(tokens)`` says whether a row's tokens so far end its turn (besides an eos token);
     ``on_done(i, row)`` is called the moment row ``i`` stops (the others keep decoding), or at
@@ -406,12 +413,18 @@ def decode_batch(model: Any, ids: Any, attn: Any, vision: dict[str, Any], *, max
     context = ids if context is None else context
     step = lean_step(model) if lean else None
     with _use_decode_attention(model):
-        out = model(input_ids=ids, attention_mask=attn, position_ids=positions,
-                    past_key_values=cache, use_cache=True, logits_to_keep=1,
-                    **{k: v for k, v in vision.items() if k != "mm_token_type_ids"})
-        last = out.logits[:, -1]
-        if past is not None:
-            attn = _close_holes(cache.layers, attn)
+        groups = _prefill_groups(past, ids.shape[0]) \
+            if row_images is not None and set(vision) <= _SPLITTABLE else None
+        if groups is None:
+            out = model(input_ids=ids, attention_mask=attn, position_ids=positions,
+                        past_key_values=cache, use_cache=True, logits_to_keep=1,
+                        **{k: v for k, v in vision.items() if k != "mm_token_type_ids"})
+            last = out.logits[:, -1]
+            if past is not None:
+                attn = _close_holes(cache.layers, attn)
+        else:
+            last, attn = _prefill_apart(model, groups, cache, ids, attn, positions, vision,
+                                        past, row_images)  # type: ignore[arg-type]
         for _ in range(max_new_tokens):
             logits = last.float()
             scores = logits.clone()
@@ -466,6 +479,87 @@ def decode_batch(model: Any, ids: Any, attn: Any, vision: dict[str, Any], *, max
             if on_done is not None:
                 on_done(r, row)
     return rows
+
+
+# The vision inputs :func:`_prefill_apart` knows how to divide between rows (images only).
+_SPLITTABLE = {"pixel_values", "image_grid_thw", "mm_token_type_ids"}
+
+
+def _prefill_groups(past: Past | None, n: int) -> list[list[int]] | None:
+    """The rows to prefill apart: those that continue cached states and those that start from
+    nothing, when a batch has both (else None: one prefill).
+
+    Together, a new episode's whole prompt (a few hundred tokens, image included) sets the width
+    every continuing row is padded to, and the continuing rows' cached length sets how many
+    (padding) keys the new prompts attend over: on the demo's evaluation (batch 16) about half
+    of the prefill's token slots were padding."""
+    if past is None:
+        return None
+    has = past.mask.any(-1).tolist()
+    groups = [[i for i in range(n) if has[i]], [i for i in range(n) if not has[i]]]
+    return groups if all(groups) else None
+
+
+def _prefill_apart(model: Any, groups: list[list[int]], cache: Any, ids: Any, attn: Any,
+                   positions: Any, vision: dict[str, Any], past: Past,
+                   row_images: Sequence[int]) -> tuple[Any, Any]:
+    """Prefill each group of rows on its own (only as wide as its own rows need, over only its
+    own cached states), then gather every row's states into ``cache`` right-aligned, in batch
+    order, as one prefill followed by :func:`_close_holes` leaves them. Returns the last logits
+    ``[B, V]`` and the padding mask over ``cache``."""
+    import torch
+    from transformers import DynamicCache
+
+    pixels, grids = vision.get("pixel_values"), vision.get("image_grid_thw")
+    first_image = [0]
+    for k in row_images:
+        first_image.append(first_image[-1] + k)
+    patch_end = grids.prod(-1).cumsum(0).tolist() if grids is not None else []
+    last = None
+    parts = []  # per group: (rows, cache layers, mask over them)
+    for rows in groups:
+        idx = torch.tensor(rows, device=ids.device)
+        a = attn[idx, past.length:]  # ``attn`` already starts with the cached states' mask
+        width = int(a.sum(-1).max())
+        kwargs: dict[str, Any] = {}
+        images = [j for r in rows for j in range(first_image[r], first_image[r + 1])]
+        if images:
+            spans = [(patch_end[j - 1] if j else 0, patch_end[j]) for j in images]
+            kwargs["pixel_values"] = torch.cat([pixels[s:e] for s, e in spans])
+            kwargs["image_grid_thw"] = grids[torch.tensor(images, device=grids.device)]
+        sub = DynamicCache(config=model.config.get_text_config())
+        sub.layers = [_growing_layer_class()() for _ in sub.layers]
+        mask = a[:, -width:]
+        held = past.mask[idx]
+        if bool(held.any()):
+            lead = past.length - int(held.sum(-1).max())  # columns that are padding in every row
+            for layer, (keys, values) in zip(sub.layers, past.layers, strict=True):
+                layer.preset(keys[idx][:, :, lead:], values[idx][:, :, lead:], past.length - lead)
+            mask = torch.cat([held[:, lead:].to(mask.dtype), mask], dim=1)
+        out = model(input_ids=ids[idx, -width:], attention_mask=mask,
+                    position_ids=positions[:, idx, -width:], past_key_values=sub, use_cache=True,
+                    logits_to_keep=1, **kwargs)
+        logits = out.logits[:, -1]
+        if last is None:
+            last = logits.new_empty((ids.shape[0], logits.shape[-1]))
+        last[idx] = logits
+        parts.append((idx, sub.layers, mask))
+    # One buffer, rows in batch order, each group's states left-padded to the longest; then
+    # close the holes (a continuing group has two runs of padding per row).
+    longest = max(m.shape[1] for _, _, m in parts)
+    merged = attn.new_zeros((ids.shape[0], longest))
+    for idx, _, m in parts:
+        merged[idx, longest - m.shape[1]:] = m
+    for li, layer in enumerate(cache.layers):
+        ref = parts[0][1][li].keys
+        keys = ref.new_zeros((ids.shape[0], ref.shape[1], longest, ref.shape[-1]))
+        values = keys.clone()
+        for idx, layers, m in parts:
+            n = layers[li].length
+            keys[idx, :, longest - n:] = layers[li].keys[:, :, :n]
+            values[idx, :, longest - n:] = layers[li].values[:, :, :n]
+        layer.preset(keys, values, longest)
+    return last, _close_holes(cache.layers, merged)
 
 
 def _close_holes(layers: list[Any], attn: Any, room: int = 64) -> Any:

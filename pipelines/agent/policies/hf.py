@@ -193,7 +193,8 @@ class HFPolicy:
                 code_temperature=sampling.code_temperature,
                 opens_code=self.tokens.opens_code if sampling.code_temperature is not None
                 else None, positions=positions, past=past, keep_cache=reuse,
-                context=full if self.logits_processors else None)
+                context=full if self.logits_processors else None,
+                row_images=[len(h.grids) - k for h, (_, k) in zip(handles, starts)])
         return results  # type: ignore[return-value]
 
     # -- the KV cache kept between turns -------------------------------------------------------

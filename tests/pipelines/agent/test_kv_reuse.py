@@ -15,6 +15,7 @@ import pytest
 import torch
 from PIL import Image
 
+from pipelines.agent.policies import decode
 from pipelines.agent.policies.base import Sampling
 from pipelines.agent.policies.hf import HFPolicy
 from pipelines.agent.protocol import format_observation
@@ -113,11 +114,24 @@ def sessions(policy):
     stops = {h.ids[h.prompt_len + 5] for h in probes} - policy.eos_ids
     for h in probes:
         policy.end(h)
-    return _session(policy, False, stops), _session(policy, True, stops)
+    full = _session(policy, False, stops)
+    apart = decode._prefill_apart
+    split: list[tuple[list[list[int]], list[int]]] = []
+
+    def spy(model, groups, *args):
+        split.append((groups, list(args[-1])))  # the groups and each row's new images
+        return apart(model, groups, *args)
+
+    decode._prefill_apart = spy
+    try:
+        cached = _session(policy, True, stops)
+    finally:
+        decode._prefill_apart = apart
+    return full, cached, split
 
 
 def test_cached_turns_give_the_same_next_token_distributions(sessions):
-    (_, full_steps, _, full_stats), (_, cached_steps, lengths, stats) = sessions
+    (_, full_steps, _, full_stats), (_, cached_steps, lengths, stats), _ = sessions
     assert 16 in lengths and min(lengths) < 16  # turns cut at the limit and stopped early
     assert full_stats.get("reused", 0) == 0
     # Turn 2: three rows continue their cache, the new one is prefilled; turn 3: three rows.
@@ -131,12 +145,23 @@ def test_cached_turns_give_the_same_next_token_distributions(sessions):
 
 
 def test_greedy_multi_turn_trajectories_are_the_same_token_for_token(sessions):
-    (full, _, _, _), (cached, _, _, _) = sessions
+    (full, _, _, _), (cached, _, _, _), _ = sessions
     assert [ids for ids, _ in cached] == [ids for ids, _ in full]
     generated = sum(len(lp) for _, lp in full)
     assert generated >= 100  # 4 episodes, 9 turns cached or not
     for (_, a), (_, b) in zip(full, cached):
         assert a == pytest.approx(b, abs=CHOSEN_ATOL)
+
+
+def test_new_rows_are_prefilled_apart_from_rows_that_continue_their_cache(sessions):
+    """Turn 2 mixes three rows that continue their cache (two with new figures) with a new
+    episode (its prompt image): each group is prefilled on its own, and the comparisons above
+    (against whole-context prefills) hold for it."""
+    _, _, split = sessions
+    assert len(split) == 1  # turn 1 has no cache yet, turn 3 no new row
+    groups, images = split[0]
+    assert groups == [[0, 1, 2], [3]]
+    assert images[3] == 1 and sum(images[:3]) >= 1
 
 
 def test_a_context_that_no_longer_starts_with_the_cached_tokens_is_prefilled_whole(policy):
