@@ -4,7 +4,9 @@
 agent turns (most end at ``</code>`` after a few dozen tokens, one runs to the limit) costs the
 longest turn times the batch: measured on the tiny SFT model at batch 16, 2.35 row-steps were
 computed per token kept. Here a finished row is dropped from the batch, its KV cache included,
-and the forward pass shrinks with it.
+and the forward pass shrinks with it; when it had the longest context, the leading positions
+that only it used go too (on the demo's evaluation this cut the keys a decode step attends over
+by a fifth, 639 to 508 a row).
 
 Two changes make a decode step cheap on a CPU, where a small model's step is memory traffic, not
 arithmetic: the KV cache grows in place (capacity doubles when full) instead of being concatenated
@@ -154,10 +156,13 @@ def _growing_layer_class() -> type:
             return (self.keys[j, :, : self.length][:, mask],
                     self.values[j, :, : self.length][:, mask])
 
-        def batch_select_indices(self, indices: Any) -> None:
+        def batch_select_indices(self, indices: Any, lead: int = 0) -> None:
+            """Keep the rows ``indices`` and drop the first ``lead`` positions (padding in
+            every row kept)."""
             if self.get_seq_length() > 0:
-                self.keys = self.keys[indices]
-                self.values = self.values[indices]
+                self.keys = self.keys[indices, :, lead:]
+                self.values = self.values[indices, :, lead:]
+                self.length -= lead
 
     return GrowingLayer
 
@@ -456,10 +461,14 @@ def decode_batch(model: Any, ids: Any, attn: Any, vision: dict[str, Any], *, max
                 break
             if len(keep) < len(live):  # the finished rows leave the batch, cache included
                 idx = torch.tensor(keep, device=device)
+                attn = attn[idx]
+                # Positions that only the finished rows used (the longest context may have
+                # left): no later step attends over them.
+                lead = int(attn.any(0).to(torch.int8).argmax())
                 for layer in cache.layers:
-                    layer.batch_select_indices(idx)
+                    layer.batch_select_indices(idx, lead)
                 live = [live[j] for j in keep]
-                tok, attn, nxt, context = tok[idx], attn[idx], nxt[:, idx], context[idx]
+                tok, attn, nxt, context = tok[idx], attn[:, lead:], nxt[:, idx], context[idx]
             if processors:
                 context = torch.cat([context, tok[:, None]], dim=1)
             attn = torch.cat([attn, attn.new_ones((attn.shape[0], 1))], dim=1)

@@ -4,6 +4,8 @@ tiny Qwen3-VL (whose 3-D positions and deepstack visual features differ)."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from PIL import Image
@@ -96,6 +98,52 @@ def test_rows_that_stop_leave_the_batch_and_the_others_continue_unchanged(policy
                             on_done=lambda i, row: order.append(i))
     assert [r.tokens for r in rows] == want
     assert order == sorted(range(3), key=lambda i: len(want[i]))  # reported as each one stops
+
+
+def test_keys_only_a_finished_row_used_leave_the_batch_with_it(policy, monkeypatch):
+    """When the row with the longest context stops first, the rows left attend over their own
+    context only (the leading positions only it used are dropped from the cache), and their
+    tokens do not change."""
+    from pipelines.agent.policies import decode
+
+    handles = _handles(policy, True)
+    lengths = [len(h.ids) for h in handles]
+    first = max(range(3), key=lambda i: lengths[i])
+    others = [i for i in range(3) if i != first]
+    assert lengths[first] > max(lengths[i] for i in others)
+    long = [_reference(policy, h, 24) for h in _handles(policy, True)]
+    cut = long[first][:3]
+    assert all(long[i][:3] != cut for i in others)
+    want = [cut if i == first else long[i] for i in range(3)]
+    seen: list[tuple[int, int]] = []  # (rows, cached positions) after each write to layer 0
+    layers: list = []
+    make = decode._growing_layer_class
+
+    def spying():
+        class Spy(make()):  # type: ignore[misc]
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                layers.append(self)
+
+            def update(self, keys, values, *args, **kwargs):
+                out = super().update(keys, values, *args, **kwargs)
+                if self is layers[0]:
+                    seen.append((keys.shape[0], self.length))
+                return out
+
+        return Spy
+
+    monkeypatch.setattr(decode, "_growing_layer_class", spying)
+    ids, attn, vision = _batch(policy, handles)
+    with torch.no_grad():
+        rows = decode.decode_batch(policy.model, ids, attn, vision, max_new_tokens=24,
+                                   temperature=0.0, top_p=1.0, eos_ids=sorted(policy.eos_ids),
+                                   stops=lambda toks: toks == cut)
+    assert [r.tokens for r in rows] == want
+    drop = lengths[first] - max(lengths[i] for i in others)
+    steps = list(itertools.pairwise(seen))
+    assert any(a[0] == 3 and b[0] == 2 and b[1] == a[1] + 1 - drop for a, b in steps)
+    assert all(b[1] == a[1] + 1 for a, b in steps if a[0] == b[0])
 
 
 def test_a_seeded_sampled_batch_repeats(policy):
