@@ -99,9 +99,13 @@ def pad_past(rows: Sequence[list[tuple[Any, Any]] | None], room: int) -> Past | 
     layers = []
     for li, (k0, v0) in enumerate(ref):
         heads, _, kd = k0.shape
-        keys = k0.new_zeros((len(rows), heads, longest + room, kd))
-        values = v0.new_zeros((len(rows), v0.shape[0], longest + room, v0.shape[-1]))
+        # Only the padding needs a value (zero: masked, it must still be finite); the room
+        # after ``longest`` is written before anything reads it.
+        keys = k0.new_empty((len(rows), heads, longest + room, kd))
+        values = v0.new_empty((len(rows), v0.shape[0], longest + room, v0.shape[-1]))
         for i, r in enumerate(rows):
+            keys[i, :, : longest - lengths[i]] = 0
+            values[i, :, : longest - lengths[i]] = 0
             if r is not None and lengths[i]:
                 keys[i, :, longest - lengths[i]: longest] = r[li][0]
                 values[i, :, longest - lengths[i]: longest] = r[li][1]
