@@ -11,6 +11,10 @@ exactly as `pyvision eval` runs it, twice:
 
 The tiny model is untrained (random weights): it rarely writes code, so its numbers measure
 generation and scoring, not tool use. Model loading is timed separately and not counted.
+
+Beside the times, the model rows report the work done (``work``: prefill positions, padding
+included, and the real tokens among them; decode steps, row-steps and attended positions):
+counts that a busy machine does not move, for comparing two versions of the code.
 """
 
 from __future__ import annotations
@@ -30,6 +34,14 @@ _IMAGE_TURN = ("<code>\n```python\nplt.imshow(image_clue_0.crop((0,0,image_clue_
 _VIDEO_TURN = ("<code>\n```python\nplt.imshow(video_clue_0[len(video_clue_0)//2].asnumpy());"
                "plt.show()\n```\n</code>")
 _ANSWER_TURN = "<answer>\n\\boxed{A}\n</answer>"
+
+
+# What the in-process policy counts (``decode_batch``'s ``stats``, ``HFPolicy.cache_stats``):
+# token positions through prefills (padding included) and the real tokens among them, tokens
+# whose states a turn reused, decode steps, rows summed over the steps, cached positions
+# attended over summed over the rows.
+_WORK = ("prefill_slots", "tokens_prefilled", "tokens_reused", "decode_steps", "decode_rows",
+         "decode_keys")
 
 
 def _summary(records: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
@@ -102,6 +114,7 @@ def run_benchmark(n_image: int = 8, n_video: int = 4, size: str = "nano",
             code = _IMAGE_TURN if family == "image" else _VIDEO_TURN
             for label, policy in (("model", model), ("scripted", scripted(code))):
                 run_id = f"perf-{label}-{family}"
+                model.cache_stats.clear()
                 t = time.monotonic()
                 results = run_eval(recipe, model=str(model_path), model_tag=label,
                                    benchmarks=[bench], run_id=run_id, store=store,
@@ -109,6 +122,8 @@ def run_benchmark(n_image: int = 8, n_video: int = 4, size: str = "nano",
                 seconds = time.monotonic() - t
                 rows[label] = {**_summary(store.eval_records(run_id, label, bench), seconds),
                                "accuracy": results[bench].get("accuracy")}
+                if policy is model:  # the work behind the time, the same on a busy machine
+                    rows[label]["work"] = {k: model.cache_stats[k] for k in _WORK}
             out[family] = {"benchmark": bench, **rows}
     return {
         "model": {"path": str(model_dir) if model_dir else f"tiny {size} (built here)",

@@ -52,6 +52,7 @@ distribution that token was sampled from.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -379,7 +380,8 @@ def decode_batch(model: Any, ids: Any, attn: Any, vision: dict[str, Any], *, max
                  opens_code: Callable[[list[int]], bool] | None = None,
                  lean: bool = True, positions: Any = None, past: Past | None = None,
                  keep_cache: bool = False, context: Any = None,
-                 row_images: Sequence[int] | None = None) -> list[Row]:
+                 row_images: Sequence[int] | None = None,
+                 stats: Counter[str] | None = None) -> list[Row]:
     """Generate for every row of a left-padded batch until it stops; see the module docstring.
 
     With ``past``, ``ids`` / ``attn`` / ``vision`` are only what follows each row's cached states
@@ -388,7 +390,11 @@ def decode_batch(model: Any, ids: Any, attn: Any, vision: dict[str, Any], *, max
     contexts that logits processors see. ``keep_cache`` fills each row's :attr:`Row.cache`
     before ``on_done`` sees it. ``row_images`` (how many of ``vision``'s images belong to each
     row, in order) lets a batch that mixes rows with and without cached states prefill the two
-    apart (:func:`_prefill_apart`).
+    apart (:func:`_prefill_apart`). ``stats`` counts the work done, padding included (the
+    numbers behind a throughput figure, which do not vary with the machine's load):
+    ``prefill_slots`` (token positions through a prefill), ``decode_steps``, ``decode_rows``
+    (rows summed over the steps) and ``decode_keys`` (cached positions each row attended over,
+    summed).
 
     ``stops(tokens)`` says whether a row's tokens so far end its turn (besides an eos token);
     ``on_done(i, row)`` is called the moment row ``i`` stops (the others keep decoding), or at
@@ -424,7 +430,9 @@ def decode_batch(model: Any, ids: Any, attn: Any, vision: dict[str, Any], *, max
     with _use_decode_attention(model):
         groups = _prefill_groups(past, ids.shape[0]) \
             if row_images is not None and set(vision) <= _SPLITTABLE else None
+        count = stats if stats is not None else Counter()
         if groups is None:
+            count["prefill_slots"] += ids.numel()
             out = model(input_ids=ids, attention_mask=attn, position_ids=positions,
                         past_key_values=cache, use_cache=True, logits_to_keep=1,
                         **{k: v for k, v in vision.items() if k != "mm_token_type_ids"})
@@ -433,7 +441,7 @@ def decode_batch(model: Any, ids: Any, attn: Any, vision: dict[str, Any], *, max
                 attn = _close_holes(cache.layers, attn)
         else:
             last, attn = _prefill_apart(model, groups, cache, ids, attn, positions, vision,
-                                        past, row_images)  # type: ignore[arg-type]
+                                        past, row_images, count)  # type: ignore[arg-type]
         for _ in range(max_new_tokens):
             logits = last.float()
             scores = logits.clone()
@@ -476,6 +484,9 @@ def decode_batch(model: Any, ids: Any, attn: Any, vision: dict[str, Any], *, max
             if processors:
                 context = torch.cat([context, tok[:, None]], dim=1)
             attn = torch.cat([attn, attn.new_ones((attn.shape[0], 1))], dim=1)
+            count["decode_steps"] += 1
+            count["decode_rows"] += attn.shape[0]
+            count["decode_keys"] += attn.numel()
             if step is not None:
                 last = step(tok, nxt[:, :, None], attn[:, None, None, :].bool(), cache.layers)
             else:
@@ -515,7 +526,7 @@ def _prefill_groups(past: Past | None, n: int) -> list[list[int]] | None:
 
 def _prefill_apart(model: Any, groups: list[list[int]], cache: Any, ids: Any, attn: Any,
                    positions: Any, vision: dict[str, Any], past: Past,
-                   row_images: Sequence[int]) -> tuple[Any, Any]:
+                   row_images: Sequence[int], count: Counter[str]) -> tuple[Any, Any]:
     """Prefill each group of rows on its own (only as wide as its own rows need, over only its
     own cached states), then gather every row's states into ``cache`` right-aligned, in batch
     order, as one prefill followed by :func:`_close_holes` leaves them. Returns the last logits
@@ -549,6 +560,7 @@ def _prefill_apart(model: Any, groups: list[list[int]], cache: Any, ids: Any, at
             for layer, (keys, values) in zip(sub.layers, past.layers, strict=True):
                 layer.preset(keys[idx][:, :, lead:], values[idx][:, :, lead:], past.length - lead)
             mask = torch.cat([held[:, lead:].to(mask.dtype), mask], dim=1)
+        count["prefill_slots"] += len(rows) * width
         out = model(input_ids=ids[idx, -width:], attention_mask=mask,
                     position_ids=positions[:, idx, -width:], past_key_values=sub, use_cache=True,
                     logits_to_keep=1, **kwargs)

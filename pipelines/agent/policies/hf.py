@@ -72,7 +72,8 @@ class HFPolicy:
         text = model.config.get_text_config()
         self._reusable = model.config.model_type in ("qwen2_5_vl", "qwen3_vl") and \
             set(getattr(text, "layer_types", None) or ["full_attention"]) == {"full_attention"}
-        # Rows that reused states / were prefilled whole, their tokens, and dropped states.
+        # Rows that reused states / were prefilled whole, their tokens, and dropped states; and
+        # the work decoding did (``decode_batch``'s ``stats``).
         self.cache_stats: Counter[str] = Counter()
 
     @classmethod
@@ -194,7 +195,8 @@ class HFPolicy:
                 opens_code=self.tokens.opens_code if sampling.code_temperature is not None
                 else None, positions=positions, past=past, keep_cache=reuse,
                 context=full if self.logits_processors else None,
-                row_images=[len(h.grids) - k for h, (_, k) in zip(handles, starts)])
+                row_images=[len(h.grids) - k for h, (_, k) in zip(handles, starts)],
+                stats=self.cache_stats)
         return results  # type: ignore[return-value]
 
     # -- the KV cache kept between turns -------------------------------------------------------

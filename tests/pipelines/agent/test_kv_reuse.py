@@ -119,7 +119,7 @@ def sessions(policy):
     split: list[tuple[list[list[int]], list[int]]] = []
 
     def spy(model, groups, *args):
-        split.append((groups, list(args[-1])))  # the groups and each row's new images
+        split.append((groups, list(args[-2])))  # the groups and each row's new images
         return apart(model, groups, *args)
 
     decode._prefill_apart = spy

@@ -30,5 +30,10 @@ def test_perf_eval_json_shape(tiny_model_dir: Path) -> None:
         assert (scripted["mean_turns"], scripted["mean_tool_calls"]) == (2, 1)
         assert scripted["stop_reasons"] == {"answered": n}
         assert 0.0 <= model["accuracy"] <= 1.0
+        work = model["work"]  # every sample prefilled its prompt and decoded at least a token
+        assert work["prefill_slots"] >= work["tokens_prefilled"] > 0
+        assert work["decode_rows"] >= work["decode_steps"] > 0
+        assert work["decode_keys"] > work["decode_rows"]
+        assert "work" not in scripted
     assert families["image"]["model"]["mean_visual_tokens"] > 0
     assert families["video"]["model"]["mean_visual_tokens"] == 0  # on-demand video context
