@@ -39,9 +39,9 @@ without a cache. The logits differ from a whole-context prefill by float32 round
 (``tests/pipelines/agent/test_kv_reuse.py``). On the demo's SFT model (64 held-out image tasks,
 batch 16, 256 tokens a turn) this prefills 19k tokens instead of 56k. A batch that mixes
 continuing rows with new episodes (whose whole prompt is new) prefills the two groups apart
-(:func:`_prefill_apart`), so neither is padded to the other's width: on that evaluation this
-halved the prefill's token slots (38k to 20k) and its time (4.3 s to 2.8 s), with the same
-greedy trajectories.
+(:func:`_prefill_apart`), so neither is padded to the other's width: on that evaluation the
+prefills ran through 26k token positions instead of 38k (20k of them real tokens) and took
+2.8 s instead of 4.3 s (cProfile), with the same greedy trajectories.
 
 A second temperature can apply inside code (``code_temperature``, Thyme's idea): a row samples at
 ``code_temperature`` from the token after its turn has opened a ``<code>`` block (``opens_code``
