@@ -211,6 +211,18 @@ def test_an_episode_s_cache_is_released_when_it_ends(policy):
     assert h.kv is None and keys() is None
 
 
+def test_generation_keeps_no_autograd_state(policy):
+    """Turns are generated in inference mode: the states kept between turns carry no autograd
+    bookkeeping, and the weights the trainer updates are left as they were."""
+    versions = [p._version for p in policy.model.parameters()]
+    h = _begin(policy, 0)
+    policy.generate([h], Sampling(8, 0.0, 1.0))
+    assert h.kv is not None and all(k.is_inference() and v.is_inference() for k, v in h.kv.layers)
+    assert not any(p.is_inference() for p in policy.model.parameters())
+    assert [p._version for p in policy.model.parameters()] == versions
+    policy.end(h)
+
+
 def test_reuse_off_keeps_no_cache(policy):
     policy.reuse_cache = False
     try:
