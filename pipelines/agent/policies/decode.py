@@ -172,6 +172,15 @@ def _growing_layer_class() -> type:
     return GrowingLayer
 
 
+def _growing_cache(model: Any) -> Any:
+    """An empty KV cache for ``model`` whose layers grow in place."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config.get_text_config())
+    cache.layers = [_growing_layer_class()() for _ in cache.layers]
+    return cache
+
+
 def _decode_attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any,
                       scaling: float | None = None, **kwargs: Any) -> tuple[Any, None]:
     """Attention for decode steps (one query token) with grouped KV heads, no K/V copies; longer
@@ -405,15 +414,13 @@ def decode_batch(model: Any, ids: Any, attn: Any, vision: dict[str, Any], *, max
     if code_temperature is not None and opens_code is None:
         raise ValueError("code_temperature needs opens_code")
     import torch
-    from transformers import DynamicCache
 
     device = ids.device
     rows = [Row() for _ in range(ids.shape[0])]
     live = list(range(ids.shape[0]))  # batch position -> row
     eos = torch.tensor(sorted(eos_ids), device=device)
     suppress_t = torch.tensor(sorted(suppress), device=device, dtype=torch.long)
-    cache = DynamicCache(config=model.config.get_text_config())
-    cache.layers = [_growing_layer_class()() for _ in cache.layers]
+    cache = _growing_cache(model)
     if positions is None:
         if past is not None:
             raise ValueError("a batch that continues cached states needs its positions")
@@ -532,7 +539,6 @@ def _prefill_apart(model: Any, groups: list[list[int]], cache: Any, ids: Any, at
     order, as one prefill followed by :func:`_close_holes` leaves them. Returns the last logits
     ``[B, V]`` and the padding mask over ``cache``."""
     import torch
-    from transformers import DynamicCache
 
     pixels, grids = vision.get("pixel_values"), vision.get("image_grid_thw")
     first_image = [0]
@@ -551,8 +557,7 @@ def _prefill_apart(model: Any, groups: list[list[int]], cache: Any, ids: Any, at
             spans = [(patch_end[j - 1] if j else 0, patch_end[j]) for j in images]
             kwargs["pixel_values"] = torch.cat([pixels[s:e] for s, e in spans])
             kwargs["image_grid_thw"] = grids[torch.tensor(images, device=grids.device)]
-        sub = DynamicCache(config=model.config.get_text_config())
-        sub.layers = [_growing_layer_class()() for _ in sub.layers]
+        sub = _growing_cache(model)
         mask = a[:, -width:]
         held = past.mask[idx]
         if bool(held.any()):
