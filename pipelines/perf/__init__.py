@@ -18,8 +18,8 @@ def summary_ms(samples_s: list[float]) -> dict[str, float]:
     return {"median": round(statistics.median(ms), 3), "p95": round(p95, 3), "n": len(ms)}
 
 
-def process_tree_memory_mb(root_pid: int | None = None) -> dict[str, float]:
-    """RSS and PSS (shared pages split fairly) of a process and all its descendants, in MiB."""
+def _process_tree(root_pid: int | None = None) -> list[int]:
+    """A process and all its descendants (from ``/proc``; Linux)."""
     root = root_pid or os.getpid()
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
@@ -34,6 +34,12 @@ def process_tree_memory_mb(root_pid: int | None = None) -> dict[str, float]:
         pid = todo.pop()
         tree.append(pid)
         todo.extend(children.get(pid, []))
+    return tree
+
+
+def process_tree_memory_mb(root_pid: int | None = None) -> dict[str, float]:
+    """RSS and PSS (shared pages split fairly) of a process and all its descendants, in MiB."""
+    tree = _process_tree(root_pid)
     rss = pss = 0
     for pid in tree:
         try:
@@ -45,3 +51,20 @@ def process_tree_memory_mb(root_pid: int | None = None) -> dict[str, float]:
         except OSError:
             continue
     return {"rss_mb": round(rss / 1024, 1), "pss_mb": round(pss / 1024, 1), "processes": len(tree)}
+
+
+def process_tree_cpu_s(root_pid: int | None = None) -> float | None:
+    """CPU seconds (user + system) used so far by a process, its descendants and every child
+    they have reaped: the difference of two readings is what the whole tree (sandbox workers
+    that came and went included) used in between, whatever else the machine ran. None where
+    ``/proc`` has no process table (not Linux)."""
+    if not Path("/proc/self/stat").exists():
+        return None
+    ticks = 0
+    for pid in _process_tree(root_pid):
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # exited since the walk (its parent, read earlier, missed its time)
+            continue
+        ticks += sum(int(v) for v in fields[11:15])  # utime stime cutime cstime
+    return ticks / os.sysconf("SC_CLK_TCK")

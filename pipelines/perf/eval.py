@@ -15,10 +15,16 @@ generation and scoring, not tool use. Model loading is timed separately and not 
 Beside the times, the model rows report the work done (``work``: prefill positions, padding
 included, and the real tokens among them; decode steps, row-steps and attended positions):
 counts that a busy machine does not move, for comparing two versions of the code.
+
+Every row also reports the CPU time it used (``cpu``): this process's (the policy, the loop, the
+store) and its whole process tree's (the sandbox workers too), and from them the most samples a
+second this work allows on this machine's cores however well it were spread over them
+(``cpu_bound_samples_per_s``): a throughput target above that needs less work, not more overlap.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import tempfile
 import time
@@ -60,6 +66,18 @@ def _summary(records: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
     }
 
 
+def _cpu(process_s: float, tree_end: float | None, tree_start: float | None, n: int,
+         cpus: int | None) -> dict[str, Any]:
+    """The CPU seconds behind one row: ``process_s`` (this process, every thread) and the whole
+    process tree's (None off Linux), and the samples a second that tree's work would allow
+    spread perfectly over ``cpus`` cores."""
+    tree_s = None if tree_end is None or tree_start is None else tree_end - tree_start
+    bound = round(n * cpus / tree_s, 2) if tree_s and cpus else None
+    return {"process_s": round(process_s, 2),
+            "tree_s": None if tree_s is None else round(tree_s, 2),
+            "cpu_bound_samples_per_s": bound}
+
+
 def run_benchmark(n_image: int = 8, n_video: int = 4, size: str = "nano",
                   max_new_tokens: int = 64, max_turns: int = 4, batch_size: int = 8,
                   model_dir: str | Path | None = None,
@@ -76,9 +94,11 @@ def run_benchmark(n_image: int = 8, n_video: int = 4, size: str = "nano",
     from pipelines.data.synth import synthesize
     from pipelines.eval.runner import run_eval
     from pipelines.models.tiny import build_tiny_model
+    from pipelines.perf import process_tree_cpu_s
     from pipelines.store import Store
 
     counts = {"image": n_image, "video": n_video}
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     with tempfile.TemporaryDirectory(prefix="pyvision-perf-eval-", dir=workdir) as tmp:
         root = Path(tmp)
         t = time.monotonic()
@@ -115,13 +135,15 @@ def run_benchmark(n_image: int = 8, n_video: int = 4, size: str = "nano",
             for label, policy in (("model", model), ("scripted", scripted(code))):
                 run_id = f"perf-{label}-{family}"
                 model.cache_stats.clear()
-                t = time.monotonic()
+                tree, own, t = process_tree_cpu_s(), time.process_time(), time.monotonic()
                 results = run_eval(recipe, model=str(model_path), model_tag=label,
                                    benchmarks=[bench], run_id=run_id, store=store,
                                    data_dirs={bench: path}, policy=policy, show_progress=False)
                 seconds = time.monotonic() - t
+                cpu = _cpu(time.process_time() - own, process_tree_cpu_s(), tree,
+                           counts[family], cpus)
                 rows[label] = {**_summary(store.eval_records(run_id, label, bench), seconds),
-                               "accuracy": results[bench].get("accuracy")}
+                               "accuracy": results[bench].get("accuracy"), "cpu": cpu}
                 if policy is model:  # the work behind the time, the same on a busy machine
                     rows[label]["work"] = {k: model.cache_stats[k] for k in _WORK}
             out[family] = {"benchmark": bench, **rows}
@@ -130,6 +152,7 @@ def run_benchmark(n_image: int = 8, n_video: int = 4, size: str = "nano",
                   "parameters": sum(p.numel() for p in model.model.parameters()),
                   "build_s": round(build_s, 3), "load_s": round(load_s, 3)},
         "settings": {"max_new_tokens_per_turn": max_new_tokens, "max_turns": max_turns,
-                     "batch_size": batch_size, "torch_threads": torch.get_num_threads()},
+                     "batch_size": batch_size, "torch_threads": torch.get_num_threads(),
+                     "cpus": cpus},
         "families": out,
     }

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from pyvision_cli.perf import app
@@ -35,5 +36,10 @@ def test_perf_eval_json_shape(tiny_model_dir: Path) -> None:
         assert work["decode_rows"] >= work["decode_steps"] > 0
         assert work["decode_keys"] > work["decode_rows"]
         assert "work" not in scripted
+        # The sandbox workers are other processes: the tree used more CPU than this one alone.
+        for row in (model, scripted):
+            assert row["cpu"]["tree_s"] > row["cpu"]["process_s"] > 0
+            assert row["cpu"]["cpu_bound_samples_per_s"] == pytest.approx(
+                n * data["settings"]["cpus"] / row["cpu"]["tree_s"], rel=0.05)
     assert families["image"]["model"]["mean_visual_tokens"] > 0
     assert families["video"]["model"]["mean_visual_tokens"] == 0  # on-demand video context

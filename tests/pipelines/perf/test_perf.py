@@ -31,3 +31,23 @@ def test_perf_sandbox_json_shape():
             one["call_overhead_ms"]["median"] / one["forked_worker_overhead_ms"]["median"], rel=0.05)
     else:
         assert one is None
+
+
+def test_process_tree_cpu_counts_descendants_and_reaped_children():
+    """A grandchild that burns CPU and is gone before the second reading still counts: its time
+    reaches the tree through its reaping parent, while this process's own time barely moves."""
+    import subprocess
+    import sys
+    import time
+
+    from pipelines.perf import process_tree_cpu_s
+
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.4: pass"
+    start, own = process_tree_cpu_s(), time.process_time()
+    # The child starts a grandchild, waits for it (reaping it), then exits; we reap the child.
+    subprocess.run([sys.executable, "-c",
+                    f"import subprocess, sys; subprocess.run([sys.executable, '-c', {burn!r}])"],
+                   check=True)
+    used, mine = process_tree_cpu_s() - start, time.process_time() - own
+    assert used >= 0.35, used
+    assert mine < 0.2 and used > mine + 0.3
