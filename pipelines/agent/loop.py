@@ -112,13 +112,12 @@ def run_episodes(items: Iterable[tuple[Task, Path]], policy: Policy, agent_cfg: 
             prepare(item, task, root)
 
     def start(item: int, sample: int, task: Task, root: Path) -> Episode:
-        v = variant_for(task, agent_cfg, variant)
         messages, info, runtime = prepare(item, task, root).result()
         if sample == n_per_item - 1:
             prepared.pop(item, None)
         # Each sample its own turn list (policies append to it); the images are shared, read-only.
         messages = [{**m, "content": [dict(p) for p in m["content"]]} for m in messages]
-        traj = Trajectory(task_id=task.id, data_source=task.data_source, variant=v,
+        traj = Trajectory(task_id=task.id, data_source=task.data_source, variant=info.variant,
                           prompt_version=info.version, prompt_hash=info.sha256, mode=mode,
                           sample_index=sample, group_index=item)
         prompt_parts = []
