@@ -67,10 +67,9 @@ def run(
     task = Task(id="cli", data_source="cli", question=question,
                 images=[str(p.resolve()) for p in image or []],
                 video=str(video.resolve()) if video else None, answer="?", answer_type="text")
-    from pipelines.agent.prompts import build_initial_messages, variant_for, video_info
+    from pipelines.agent.prompts import build_initial_messages, check_video, variant_for
 
-    if video is not None and video.is_file():  # quietly first: decord's log line stays out
-        video_info(video, quiet=True)
+    check_video(video)
     build_initial_messages(task, Path("/"), variant_for(task, recipe.agent), recipe.agent)  # validates media
     policy = make_policy(model, served_model=served_model, agent_cfg=recipe.agent,
                          device=recipe.model.device, dtype=recipe.model.dtype,

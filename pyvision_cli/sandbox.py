@@ -38,10 +38,9 @@ def run(
                                    "isolation": isolation}, "command-line options")
     images = {f"image_clue_{i}": p for i, p in enumerate(image or [])}
     videos = {"video_clue_0": video} if video else {}
-    if video is not None and video.is_file():  # decord's own log line kept out of the error
-        from pipelines.agent.prompts import video_info
+    from pipelines.agent.prompts import check_video
 
-        video_info(video, quiet=True)
+    check_video(video)
     with Sandbox(cfg, images=images, videos=videos) as sbx:
         result = sbx.run(code)
     paths = []

@@ -98,6 +98,14 @@ def video_info(path: Path, *, quiet: bool = False) -> dict[str, Any]:
                         hint="re-encode it (e.g. H.264 mp4) or drop the task") from None
 
 
+def check_video(path: Path | None) -> None:
+    """A command-line ``--video`` that exists decodes (a DataError if not), checked before
+    anything runs and without decord's own log line beside the error. A missing file is left to
+    the command's own check, which says which option it came from."""
+    if path is not None and path.is_file():
+        video_info(path, quiet=True)
+
+
 def build_initial_messages(task: Task, media_root: Path, variant: str, agent_cfg: AgentConfig
                            ) -> tuple[list[dict], PromptInfo, dict[str, Any]]:
     """The first user turn for ``task`` (content parts; images as PIL), its prompt info, and the
