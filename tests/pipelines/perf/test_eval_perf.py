@@ -36,10 +36,13 @@ def test_perf_eval_json_shape(tiny_model_dir: Path) -> None:
         assert work["decode_rows"] >= work["decode_steps"] > 0
         assert work["decode_keys"] > work["decode_rows"]
         assert "work" not in scripted
-        # The sandbox workers are other processes: the tree used more CPU than this one alone.
-        for row in (model, scripted):
-            assert row["cpu"]["tree_s"] > row["cpu"]["process_s"] > 0
+        for row in (model, scripted):  # the tree holds this process (/proc counts in ticks)
+            assert row["cpu"]["tree_s"] >= row["cpu"]["process_s"] - 0.03 > 0
             assert row["cpu"]["cpu_bound_samples_per_s"] == pytest.approx(
                 n * data["settings"]["cpus"] / row["cpu"]["tree_s"], rel=0.05)
+    # The scripted rows' sandbox calls ran in other processes (each is tens of ms of CPU there):
+    # the trees used more than this process alone.
+    assert sum(families[f]["scripted"]["cpu"]["tree_s"] - families[f]["scripted"]["cpu"]["process_s"]
+               for f in families) > 0.1
     assert families["image"]["model"]["mean_visual_tokens"] > 0
     assert families["video"]["model"]["mean_visual_tokens"] == 0  # on-demand video context
