@@ -79,9 +79,15 @@ def perf_eval(
     if json_out:
         print_json(result)
     else:
+        cpus = result["settings"]["cpus"]
         for family, row in result["families"].items():
-            err.print(f"{family} ({row['benchmark']}): model {row['model']['samples_per_s']} "
-                      f"samples/s, scripted {row['scripted']['samples_per_s']} samples/s")
+            parts = []
+            for label in ("model", "scripted"):
+                bound = row[label]["cpu"]["cpu_bound_samples_per_s"]
+                parts.append(f"{label} {row[label]['samples_per_s']} samples/s"
+                             + (f" (its CPU time allows at most {bound} on {cpus} cores)"
+                                if bound is not None else ""))
+            err.print(f"{family} ({row['benchmark']}): " + ", ".join(parts))
 
 
 @command(app, "rl")

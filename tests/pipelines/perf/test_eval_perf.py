@@ -46,3 +46,14 @@ def test_perf_eval_json_shape(tiny_model_dir: Path) -> None:
                for f in families) > 0.1
     assert families["image"]["model"]["mean_visual_tokens"] > 0
     assert families["video"]["model"]["mean_visual_tokens"] == 0  # on-demand video context
+
+
+def test_perf_eval_text_names_the_cpu_bound(tiny_model_dir: Path) -> None:
+    result = CliRunner().invoke(app, ["eval", "--model", str(tiny_model_dir), "--n-image", "1",
+                                      "--n-video", "0", "--max-new-tokens", "8",
+                                      "--max-turns", "2"])
+    assert result.exit_code == 0, result.output
+    out = result.output  # after the model loading's progress bars; the console wraps lines
+    text = " ".join(out[out.index("image (synth-image): model "):].split())
+    assert "video" not in text
+    assert text.count("its CPU time allows at most") == 2 and "cores)" in text
