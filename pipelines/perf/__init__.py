@@ -18,6 +18,13 @@ def summary_ms(samples_s: list[float]) -> dict[str, float]:
     return {"median": round(statistics.median(ms), 3), "p95": round(p95, 3), "n": len(ms)}
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def _process_tree(root_pid: int | None = None) -> list[int]:
     """A process and all its descendants (from ``/proc``; Linux)."""
     root = root_pid or os.getpid()

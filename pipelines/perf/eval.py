@@ -25,7 +25,6 @@ second this work allows on this machine's cores however well it were spread over
 
 from __future__ import annotations
 
-import os
 import statistics
 import tempfile
 import time
@@ -68,12 +67,12 @@ def _summary(records: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
 
 
 def _cpu(process_s: float, tree_end: float | None, tree_start: float | None, n: int,
-         cpus: int | None) -> dict[str, Any]:
+         cpus: int) -> dict[str, Any]:
     """The CPU seconds behind one row: ``process_s`` (this process, every thread) and the whole
     process tree's (None off Linux), and the samples a second that tree's work would allow
     spread perfectly over ``cpus`` cores."""
     tree_s = None if tree_end is None or tree_start is None else tree_end - tree_start
-    bound = round(n * cpus / tree_s, 2) if tree_s and cpus else None
+    bound = round(n * cpus / tree_s, 2) if tree_s else None
     return {"process_s": round(process_s, 2),
             "tree_s": None if tree_s is None else round(tree_s, 2),
             "cpu_bound_samples_per_s": bound}
@@ -96,11 +95,11 @@ def run_benchmark(n_image: int = 8, n_video: int = 4, size: str = "nano",
     from pipelines.data.synth import synthesize
     from pipelines.eval.runner import run_eval
     from pipelines.models.tiny import build_tiny_model
-    from pipelines.perf import process_tree_cpu_s
+    from pipelines.perf import process_tree_cpu_s, usable_cpus
     from pipelines.store import Store
 
     counts = {"image": n_image, "video": n_video}
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cpus = usable_cpus()
     with tempfile.TemporaryDirectory(prefix="pyvision-perf-eval-", dir=workdir) as tmp:
         root = Path(tmp)
         t = time.monotonic()

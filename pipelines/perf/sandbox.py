@@ -24,7 +24,7 @@ from typing import Any
 
 from pipelines.config.agent import AgentConfig
 from pipelines.config.sandbox import SandboxConfig
-from pipelines.perf import process_tree_memory_mb, summary_ms
+from pipelines.perf import process_tree_memory_mb, summary_ms, usable_cpus
 
 CROP_SHOW = """crop = image_clue_0.crop((256, 256, 512, 512))
 zoom = crop.resize((768, 768))
@@ -255,7 +255,7 @@ def run_benchmark(repeats: int = 30, n_concurrent: int = 64,
         "isolation": isolation_mode(cfg),
         # Two processes on one CPU take turns; on two the sandbox may be woken on the other
         # one, which costs this machine more than the call: `one_cpu` pins both.
-        "cpus": len(os.sched_getaffinity(0)),
+        "cpus": usable_cpus(),
         "context_pixels": list(context["context_pixels"]),
         "zygote_start_s": round(zygote_s, 3),
         "start_ms": summary_ms(starts),
