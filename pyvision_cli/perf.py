@@ -61,6 +61,7 @@ def perf_eval(
     max_new_tokens: Annotated[int, typer.Option(help="Tokens per assistant turn.", min=8)] = 64,
     max_turns: Annotated[int, typer.Option(help="Most assistant turns per sample.", min=1)] = 4,
     batch_size: Annotated[int, typer.Option(help="Trajectories advanced together.", min=1)] = 8,
+    draft_tokens: Annotated[int | None, typer.Option(help="Drafted tokens checked per forward pass in greedy turns (agent.draft_tokens; 0: one token a pass).", min=0, max=64)] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Evaluation samples/s (agent loop + sandbox + scoring + store) per family, image and video.
@@ -75,7 +76,7 @@ def perf_eval(
                         hint="pass --n-image N and/or --n-video N (N >= 1)")
     with err.status("measuring evaluation ..."):
         result = run_benchmark(n_image, n_video, size, max_new_tokens, max_turns, batch_size,
-                               model_dir=model)
+                               model_dir=model, draft_tokens=draft_tokens)
     if json_out:
         print_json(result)
     else:

@@ -44,6 +44,13 @@ class AgentConfig(Section):
     eval_temperature: float = Field(0.0, ge=0.0, le=5.0)
     """Sampling temperature in evaluation (0 means greedy, deterministic)."""
 
+    draft_tokens: int = Field(8, ge=0, le=64)
+    """Greedy decoding in the in-process engine (`eval.engine: hf`, at `eval_temperature: 0`)
+    checks up to this many tokens in one forward pass, drafted from the n-grams of earlier turns
+    (model-free speculative decoding; an agent's turns repeat themselves). The tokens kept are
+    the ones greedy decoding picks, so answers change only where float rounding flips a
+    near-tie. 0: one token a pass. Sampled turns (rollouts) are unaffected."""
+
     on_error: Literal["feedback", "terminate"] = "feedback"
     """`feedback`: a failing code block's traceback goes back to the model inside
     `<interpreter>`; `terminate`: the trajectory ends with `tool_error` (the original code's

@@ -47,7 +47,7 @@ _ANSWER_TURN = "<answer>\n\\boxed{A}\n</answer>"
 # whose states a turn reused, decode steps, rows summed over the steps, cached positions
 # attended over summed over the rows.
 _WORK = ("prefill_slots", "tokens_prefilled", "tokens_reused", "decode_steps", "decode_rows",
-         "decode_keys")
+         "decode_keys", "draft_tokens", "draft_kept")
 
 
 def _summary(records: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
@@ -80,11 +80,12 @@ def _cpu(process_s: float, tree_end: float | None, tree_start: float | None, n: 
 
 def run_benchmark(n_image: int = 8, n_video: int = 4, size: str = "nano",
                   max_new_tokens: int = 64, max_turns: int = 4, batch_size: int = 8,
-                  model_dir: str | Path | None = None,
+                  model_dir: str | Path | None = None, draft_tokens: int | None = None,
                   workdir: str | Path | None = None) -> dict[str, Any]:
     """Measure evaluation throughput on this machine; returns the JSON the CLI prints.
 
-    ``model_dir`` measures that model (e.g. the demo's trained one) instead of a fresh tiny one.
+    ``model_dir`` measures that model (e.g. the demo's trained one) instead of a fresh tiny one;
+    ``draft_tokens`` overrides ``agent.draft_tokens`` (0: one token a forward pass).
     """
     import torch
 
@@ -117,12 +118,14 @@ def run_benchmark(n_image: int = 8, n_video: int = 4, size: str = "nano",
                 data[family] = root / family
         recipe = load_recipe(None, [
             f"agent.max_new_tokens_per_turn={max_new_tokens}", f"agent.max_turns_eval={max_turns}",
-            f"eval.batch_size={batch_size}", "model.device=cpu", "model.dtype=float32"])
+            f"eval.batch_size={batch_size}", "model.device=cpu", "model.dtype=float32",
+            *([f"agent.draft_tokens={draft_tokens}"] if draft_tokens is not None else [])])
         store = Store(root / "perf.duckdb")
         t = time.monotonic()
         model = HFPolicy.from_pretrained(str(model_path), device="cpu", dtype="float32",
                                          image_min_pixels=recipe.agent.image_min_pixels,
-                                         image_max_pixels=recipe.agent.image_max_pixels)
+                                         image_max_pixels=recipe.agent.image_max_pixels,
+                                         draft_tokens=recipe.agent.draft_tokens)
         load_s = time.monotonic() - t
         # The sandbox zygote starts once per process (about 0.7 s of CPU): started here, like
         # the model's loading, so that the first row timed does not pay for it.
@@ -156,7 +159,8 @@ def run_benchmark(n_image: int = 8, n_video: int = 4, size: str = "nano",
                   "parameters": sum(p.numel() for p in model.model.parameters()),
                   "build_s": round(build_s, 3), "load_s": round(load_s, 3)},
         "settings": {"max_new_tokens_per_turn": max_new_tokens, "max_turns": max_turns,
-                     "batch_size": batch_size, "torch_threads": torch.get_num_threads(),
+                     "batch_size": batch_size, "draft_tokens": recipe.agent.draft_tokens,
+                     "torch_threads": torch.get_num_threads(),
                      "cpus": cpus},
         "families": out,
     }

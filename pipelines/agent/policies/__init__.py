@@ -37,4 +37,5 @@ def make_policy(model: str, *, engine: str = "auto", served_model: str | None = 
     return HFPolicy.from_pretrained(model, device=device, dtype=dtype,
                                     image_min_pixels=cfg.image_min_pixels,
                                     image_max_pixels=cfg.image_max_pixels,
-                                    image_factor=cfg.image_factor)
+                                    image_factor=cfg.image_factor,
+                                    draft_tokens=cfg.draft_tokens)

@@ -43,6 +43,16 @@ continuing rows with new episodes (whose whole prompt is new) prefills the two g
 prefills ran through 26k token positions instead of 38k (20k of them real tokens) and took
 2.8 s instead of 4.3 s (cProfile), with the same greedy trajectories.
 
+Greedy turns can check several tokens a forward pass (``drafts``, ``draft_tokens``: model-free
+speculative decoding). Each live row's next token goes through the model with a draft after it,
+what followed the row's last tokens in an earlier turn (:class:`~pipelines.agent.policies.drafts.
+NgramDrafts`); the row keeps the draft's longest prefix that greedy decoding picks at each
+position, plus the token picked after it (the next step's first). Rejected positions stay in the
+cache, masked (closed by :func:`_close_holes` once there are more than ``_HOLES`` of them), and a
+row that stops inside its draft keeps what it would have kept without one. The logits of a pass
+over several tokens differ from single steps by float rounding, so the tokens are greedy's
+except where rounding flips a near-tie (on the demo's held-out sets: none; docs/tiny-recipe.md).
+
 A second temperature can apply inside code (``code_temperature``, Thyme's idea): a row samples at
 ``code_temperature`` from the token after its turn has opened a ``<code>`` block (``opens_code``
 says so) until the turn ends, and at ``temperature`` before. Each token's temperature is
@@ -56,6 +66,8 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from pipelines.agent.policies.drafts import NgramDrafts
 
 
 @dataclass
@@ -204,6 +216,23 @@ def _decode_attention(module: Any, query: Any, key: Any, value: Any, attention_m
     return out.reshape(b, heads, 1, d).transpose(1, 2), None
 
 
+def _draft_attention(module: Any, query: Any, key: Any, value: Any, mask: Any,
+                     scaling: float | None = None, **kwargs: Any) -> tuple[Any, None]:
+    """:func:`_decode_attention` for ``T`` queries a row (a token and its draft): grouped KV
+    heads without copies, ``mask`` ``[b, 1, T, L]`` boolean."""
+    import torch
+
+    b, heads, t, d = query.shape
+    kv_heads = key.shape[1]
+    groups = heads // kv_heads
+    q = query.reshape(b, kv_heads, groups * t, d)
+    scores = torch.matmul(q, key.transpose(-1, -2)) * (scaling if scaling is not None else d ** -0.5)
+    scores = scores.view(b, kv_heads, groups, t, -1).masked_fill(~mask[:, :, None], float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(value.dtype).view(b, kv_heads, groups * t, -1)
+    out = torch.matmul(probs, value)  # [b, kv_heads, groups * t, d]
+    return out.view(b, heads, t, d).transpose(1, 2), None
+
+
 _REGISTERED = "pyvision_decode"
 
 
@@ -285,11 +314,28 @@ class _LeanStep:
         """Logits ``[B, V]`` of the token after ``tok`` (``[B]``) at ``positions`` (``[3, B, 1]``);
         ``mask`` is ``[B, 1, 1, L]`` boolean (L counting this token) or None; ``layers`` the
         cache layers, which this step extends."""
+        from torch.nn.functional import linear
+
+        h = self._layers(tok[:, None], positions, mask, layers, _decode_attention)
+        return linear(h[:, -1], self.head)
+
+    def verify(self, toks: Any, positions: Any, mask: Any, layers: list[Any]) -> Any:
+        """Logits ``[B, T, V]`` after each of ``toks`` (``[B, T]``: a row's next token and its
+        draft) at ``positions`` (``[3, B, T]``); ``mask`` ``[B, 1, T, L]`` boolean (the cache's
+        padding, then causal over the ``T`` new tokens). The same ops as :meth:`__call__` with
+        ``T`` queries a row: the logits agree with ``T`` single steps to float rounding (the
+        matrix products group their sums by shape), not bit for bit."""
+        from torch.nn.functional import linear
+
+        return linear(self._layers(toks, positions, mask, layers, _draft_attention), self.head)
+
+    def _layers(self, ids: Any, positions: Any, mask: Any, layers: list[Any],
+                attention: Callable[..., Any]) -> Any:
         import torch
         from torch.nn.functional import embedding, linear
 
-        h = embedding(tok[:, None], self.embed)
-        b = h.shape[0]
+        h = embedding(ids, self.embed)
+        b, t = h.shape[0], h.shape[1]
         cos, sin = self.rotary(h, positions)  # [3, B, 1, D]
         cos = torch.cat([c[i % 3] for i, c in enumerate(cos.split(self.sections, dim=-1))],
                         dim=-1).unsqueeze(1)
@@ -299,19 +345,18 @@ class _LeanStep:
                     gw, uw, dw, act) in zip(layers, self.layers):
             residual = h
             x = self._rms(h, in_w, in_eps)
-            q = linear(x, qw, qb).view(b, 1, -1, hd).transpose(1, 2)
-            k = linear(x, kw, kb).view(b, 1, -1, hd).transpose(1, 2)
-            v = linear(x, vw, vb).view(b, 1, -1, hd).transpose(1, 2)
+            q = linear(x, qw, qb).view(b, t, -1, hd).transpose(1, 2)
+            k = linear(x, kw, kb).view(b, t, -1, hd).transpose(1, 2)
+            v = linear(x, vw, vb).view(b, t, -1, hd).transpose(1, 2)
             q = (q * cos) + (_rotate_half(q) * sin)
             k = (k * cos) + (_rotate_half(k) * sin)
             k, v = cache.update(k, v)
-            out, _ = _decode_attention(None, q, k, v, mask, scaling=scaling)
-            h = residual + linear(out.reshape(b, 1, -1).contiguous(), ow)
+            out, _ = attention(None, q, k, v, mask, scaling=scaling)
+            h = residual + linear(out.reshape(b, t, -1).contiguous(), ow)
             residual = h
             x = self._rms(h, post_w, post_eps)
             h = residual + linear(act(linear(x, gw)) * linear(x, uw), dw)
-        h = self._rms(h, *self.norm)
-        return linear(h[:, -1], self.head)
+        return self._rms(h, *self.norm)
 
 
 def _rotate_half(x: Any) -> Any:
@@ -390,7 +435,8 @@ def decode_batch(model: Any, ids: Any, attn: Any, vision: dict[str, Any], *, max
                  lean: bool = True, positions: Any = None, past: Past | None = None,
                  keep_cache: bool = False, context: Any = None,
                  row_images: Sequence[int] | None = None,
-                 stats: Counter[str] | None = None) -> list[Row]:
+                 stats: Counter[str] | None = None, drafts: NgramDrafts | None = None,
+                 draft_tokens: int = 0) -> list[Row]:
     """Generate for every row of a left-padded batch until it stops; see the module docstring.
 
     With ``past``, ``ids`` / ``attn`` / ``vision`` are only what follows each row's cached states
@@ -421,6 +467,10 @@ def decode_batch(model: Any, ids: Any, attn: Any, vision: dict[str, Any], *, max
     eos = torch.tensor(sorted(eos_ids), device=device)
     suppress_t = torch.tensor(sorted(suppress), device=device, dtype=torch.long)
     cache = _growing_cache(model)
+    # Each row's last context tokens: the first draft continues them.
+    n_tail = drafts.max_ngram if drafts is not None else 0
+    tails = [[t for t, a in zip(ids[i, -n_tail:].tolist(), attn[i, -n_tail:].tolist()) if a]
+             for i in range(len(rows))] if n_tail else []
     if positions is None:
         if past is not None:
             raise ValueError("a batch that continues cached states needs its positions")
@@ -449,6 +499,35 @@ def decode_batch(model: Any, ids: Any, attn: Any, vision: dict[str, Any], *, max
         else:
             last, attn = _prefill_apart(model, groups, cache, ids, attn, positions, vision,
                                         past, row_images, count)  # type: ignore[arg-type]
+        # Speculative greedy decoding: every row's next token and a draft after it go through
+        # the model together; the draft's tokens the model agrees with are kept (module doc).
+        spec = drafts is not None and draft_tokens > 0 and step is not None and \
+            not processors and temperature <= 0 and not code_temperature
+
+        def finish(j: int, r: int) -> None:
+            row = rows[r]
+            if keep_cache:
+                _keep_row_cache(row, j, cache, attn, context_len[r])
+            if spec:
+                drafts.learn(tails[r] + row.tokens)  # type: ignore[union-attr]
+            if on_done is not None:
+                on_done(r, row)
+
+        def retire(keep: list[int]) -> None:
+            """The rows not in ``keep`` leave the batch, their cache included."""
+            nonlocal attn, live, tok, nxt, context, last
+            idx = torch.tensor(keep, device=device)
+            attn = attn[idx]
+            # Positions that only the finished rows used (the longest context may have left):
+            # no later step attends over them.
+            lead = int(attn.any(0).to(torch.int8).argmax())
+            for layer in cache.layers:
+                layer.batch_select_indices(idx, lead)
+            live = [live[j] for j in keep]
+            tok, attn, nxt, context = tok[idx], attn[:, lead:], nxt[:, idx], context[idx]
+            if last is not None:
+                last = last[idx]
+
         for _ in range(max_new_tokens):
             logits = last.float()
             scores = logits.clone()
@@ -459,6 +538,7 @@ def decode_batch(model: Any, ids: Any, attn: Any, vision: dict[str, Any], *, max
             temps = [code_temperature if code_temperature is not None and rows[r].in_code
                      else temperature for r in live]
             tok, lp = _sample(logits, scores, temps, top_p)
+            last = None
             finished = torch.isin(tok, eos).tolist()
             keep = []
             for j, (r, t, p) in enumerate(zip(live, tok.tolist(), lp.tolist())):
@@ -469,47 +549,115 @@ def decode_batch(model: Any, ids: Any, attn: Any, vision: dict[str, Any], *, max
                 if code_temperature is not None and not row.in_code and opens_code(row.tokens):
                     row.in_code = True
                 row.done = finished[j] or stops(row.tokens)
+                # Rows advance unevenly when speculating: one at the limit is cut off now.
+                if spec and not row.done and len(row.tokens) >= max_new_tokens:
+                    row.done = True
                 if not row.done:
                     keep.append(j)
                     continue
-                if keep_cache:
-                    _keep_row_cache(row, j, cache, attn, context_len[r])
-                if on_done is not None:
-                    on_done(r, row)
+                finish(j, r)
             if not keep:
                 break
             if len(keep) < len(live):  # the finished rows leave the batch, cache included
-                idx = torch.tensor(keep, device=device)
-                attn = attn[idx]
-                # Positions that only the finished rows used (the longest context may have
-                # left): no later step attends over them.
-                lead = int(attn.any(0).to(torch.int8).argmax())
-                for layer in cache.layers:
-                    layer.batch_select_indices(idx, lead)
-                live = [live[j] for j in keep]
-                tok, attn, nxt, context = tok[idx], attn[:, lead:], nxt[:, idx], context[idx]
+                retire(keep)
             if processors:
                 context = torch.cat([context, tok[:, None]], dim=1)
-            attn = torch.cat([attn, attn.new_ones((attn.shape[0], 1))], dim=1)
-            count["decode_steps"] += 1
-            count["decode_rows"] += attn.shape[0]
-            count["decode_keys"] += attn.numel()
-            if step is not None:
-                last = step(tok, nxt[:, :, None], attn[:, None, None, :].bool(), cache.layers)
-            else:
-                last = model(input_ids=tok[:, None], attention_mask=attn,
-                             position_ids=nxt[:, :, None], past_key_values=cache,
-                             use_cache=True).logits[:, -1]
-            nxt = nxt + 1
-    for j, r in enumerate(live):  # cut off by max_new_tokens
-        row = rows[r]
-        if not row.done:
-            row.done = True
-            if keep_cache:
-                _keep_row_cache(row, j, cache, attn, context_len[r])
-            if on_done is not None:
-                on_done(r, row)
+            proposals = [drafts.propose(  # type: ignore[union-attr]
+                (tails[r] + rows[r].tokens)[-n_tail:], min(draft_tokens, max_new_tokens - 1 -
+                                                         len(rows[r].tokens))) for r in live] \
+                if spec else []
+            width = max(map(len, proposals), default=0)
+            if not width:
+                attn = torch.cat([attn, attn.new_ones((attn.shape[0], 1))], dim=1)
+                count["decode_steps"] += 1
+                count["decode_rows"] += attn.shape[0]
+                count["decode_keys"] += attn.numel()
+                if step is not None:
+                    last = step(tok, nxt[:, :, None], attn[:, None, None, :].bool(), cache.layers)
+                else:
+                    last = model(input_ids=tok[:, None], attention_mask=attn,
+                                 position_ids=nxt[:, :, None], past_key_values=cache,
+                                 use_cache=True).logits[:, -1]
+                nxt = nxt + 1
+                continue
+            attn, nxt, last = _verify(step, rows, live, tok, proposals, width, nxt, attn,  # type: ignore[arg-type]
+                                      cache, suppress_t, eos, stops, count)
+            done = [j for j, r in enumerate(live) if rows[r].done]
+            for j in done:
+                finish(j, live[j])
+            if len(done) == len(live):
+                break
+            if done:
+                retire([j for j in range(len(live)) if not rows[live[j]].done])
+            # Rejected drafts leave masked holes in the cache; close them before they cost more
+            # keys than a prefill's worth of room.
+            if attn.shape[1] - int(attn.sum(-1).max()) > _HOLES:
+                attn = _close_holes(cache.layers, attn)
+        for j, r in enumerate(live):  # cut off by max_new_tokens
+            if not rows[r].done:
+                rows[r].done = True
+                finish(j, r)
     return rows
+
+
+# Masked key positions (rejected drafts) a batch may carry before :func:`_close_holes` runs.
+_HOLES = 64
+
+
+def _verify(step: _LeanStep, rows: list[Row], live: list[int], tok: Any,
+            proposals: list[list[int]], width: int, nxt: Any, attn: Any, cache: Any,
+            suppress_t: Any, eos: Any, stops: Callable[[list[int]], bool],
+            count: Counter[str]) -> tuple[Any, Any, Any]:
+    """One forward pass over each live row's next token ``tok`` and its draft (padded to
+    ``width`` tokens); each row keeps its draft's longest prefix that greedy decoding chooses
+    (appended to the row with its log-prob, stopping at the end of the turn). Returns the
+    padding mask with the new positions (1 where a kept token was fed), the next positions and
+    the logits after each row's last kept token."""
+    import torch
+
+    b = len(live)
+    feed = tok.new_zeros((b, width + 1))
+    feed[:, 0] = tok
+    for j, d in enumerate(proposals):
+        if d:
+            feed[j, 1: 1 + len(d)] = torch.tensor(d, dtype=feed.dtype)
+    span = torch.arange(width + 1, device=tok.device)
+    causal = span[None, :] <= span[:, None]  # [T, T]: a token sees itself and those before
+    mask = torch.cat([attn[:, None, None, :].bool().expand(b, 1, width + 1, attn.shape[1]),
+                      causal[None, None].expand(b, 1, -1, -1)], dim=-1)
+    logits = step.verify(feed, nxt[:, :, None] + span, mask, cache.layers).float()
+    scores = logits.clone()
+    if len(suppress_t):
+        scores[..., suppress_t] = float("-inf")
+    choice = scores.argmax(-1).tolist()  # [b, T]: greedy's token after each fed one
+    logp = torch.log_softmax(logits, dim=-1)
+    eos_ids = set(eos.tolist())
+    fed = []  # per row: its fed tokens that stay (the next token and the agreed draft)
+    accepted = 0
+    for j, (r, d) in enumerate(zip(live, proposals)):
+        row, n = rows[r], 1
+        for q, t in enumerate(d):
+            if choice[j][q] != t:
+                break
+            row.tokens.append(t)
+            row.logprobs.append(float(logp[j, q, t]))
+            row.temperatures.append(0.0)
+            accepted += 1
+            if t in eos_ids or stops(row.tokens):
+                row.done = True  # the token that ends the turn is not fed, as without a draft
+                break
+            n += 1
+        fed.append(n)
+    kept = torch.tensor(fed, device=attn.device)
+    new = (span[None, :] < kept[:, None]).to(attn.dtype)
+    attn = torch.cat([attn, new], dim=1)
+    count["decode_steps"] += 1
+    count["decode_rows"] += b
+    count["decode_keys"] += attn.numel()
+    count["draft_tokens"] += sum(map(len, proposals))
+    count["draft_kept"] += accepted
+    last = logits[torch.arange(b, device=logits.device), kept - 1]
+    return attn, nxt + kept[None], last
 
 
 # The vision inputs :func:`_prefill_apart` knows how to divide between rows (images only).

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipelines.agent.policies.base import Generation, Sampling
+from pipelines.agent.policies.drafts import NgramDrafts
 from pipelines.agent.policies.tokens import ChatTokens, TokenContext, mm_token_type_ids
 from pipelines.agent.trajectory import TokenTrace
 
@@ -47,7 +48,7 @@ class HFPolicy:
 
     def __init__(self, model: Any, processor: Any, *, image_min_pixels: int = 3136,
                  image_max_pixels: int = 2_000_000, image_factor: int = 28,
-                 reuse_cache: bool = True) -> None:
+                 reuse_cache: bool = True, draft_tokens: int = 0) -> None:
         self.model = model
         self.processor = processor
         self.tokenizer = processor.tokenizer
@@ -75,11 +76,15 @@ class HFPolicy:
         # Rows that reused states / were prefilled whole, their tokens, and dropped states; and
         # the work decoding did (``decode_batch``'s ``stats``).
         self.cache_stats: Counter[str] = Counter()
+        # Greedy turns check up to ``draft_tokens`` tokens drafted from the earlier turns' n-grams
+        # per forward pass (``drafts.py``); 0: one token a pass.
+        self.draft_tokens = draft_tokens
+        self.drafts = NgramDrafts()
 
     @classmethod
     def from_pretrained(cls, path: str, *, device: str = "auto", dtype: str = "auto",
                         image_min_pixels: int = 3136, image_max_pixels: int = 2_000_000,
-                        image_factor: int = 28) -> HFPolicy:
+                        image_factor: int = 28, draft_tokens: int = 0) -> HFPolicy:
         from transformers import AutoModelForImageTextToText, AutoProcessor
 
         from pipelines.core.device import resolve_device, torch_dtype
@@ -98,7 +103,8 @@ class HFPolicy:
                                  "reachable from here") from None
         model.to(device).eval()
         return cls(model, processor, image_min_pixels=image_min_pixels,
-                   image_max_pixels=image_max_pixels, image_factor=image_factor)
+                   image_max_pixels=image_max_pixels, image_factor=image_factor,
+                   draft_tokens=draft_tokens)
 
     # -- episode state (ChatTokens) --------------------------------------------------------------
 
@@ -206,7 +212,7 @@ class HFPolicy:
             else None, positions=positions, past=past, keep_cache=reuse,
             context=full if self.logits_processors else None,
             row_images=[len(h.grids) - k for h, (_, k) in zip(handles, starts)],
-            stats=self.cache_stats)
+            stats=self.cache_stats, drafts=self.drafts, draft_tokens=self.draft_tokens)
         return results  # type: ignore[return-value]
 
     # -- the KV cache kept between turns -------------------------------------------------------

@@ -19,6 +19,7 @@ def test_perf_eval_json_shape(tiny_model_dir: Path) -> None:
     data = json.loads(result.stdout)
     assert data["model"]["path"] == str(tiny_model_dir) and data["model"]["parameters"] > 0
     assert data["settings"]["max_new_tokens_per_turn"] == 8
+    assert data["settings"]["draft_tokens"] == 8  # agent.draft_tokens' default
     families = data["families"]
     assert {f: row["benchmark"] for f, row in families.items()} == {
         "image": "synth-image", "video": "synth-video"}
@@ -35,6 +36,7 @@ def test_perf_eval_json_shape(tiny_model_dir: Path) -> None:
         assert work["prefill_slots"] >= work["tokens_prefilled"] > 0
         assert work["decode_rows"] >= work["decode_steps"] > 0
         assert work["decode_keys"] > work["decode_rows"]
+        assert work["draft_tokens"] >= work["draft_kept"] >= 0
         assert "work" not in scripted
         for row in (model, scripted):  # the tree holds this process (/proc counts in ticks)
             assert row["cpu"]["tree_s"] >= row["cpu"]["process_s"] - 0.03 > 0
@@ -46,6 +48,17 @@ def test_perf_eval_json_shape(tiny_model_dir: Path) -> None:
                for f in families) > 0.1
     assert families["image"]["model"]["mean_visual_tokens"] > 0
     assert families["video"]["model"]["mean_visual_tokens"] == 0  # on-demand video context
+
+
+def test_perf_eval_draft_tokens_zero_drafts_nothing(tiny_model_dir: Path) -> None:
+    result = CliRunner().invoke(app, ["eval", "--json", "--model", str(tiny_model_dir),
+                                      "--n-image", "2", "--n-video", "0", "--max-new-tokens", "8",
+                                      "--max-turns", "2", "--draft-tokens", "0"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["settings"]["draft_tokens"] == 0
+    work = data["families"]["image"]["model"]["work"]
+    assert work["draft_tokens"] == work["draft_kept"] == 0 and work["decode_steps"] > 0
 
 
 def test_perf_eval_text_names_the_cpu_bound(tiny_model_dir: Path) -> None:

@@ -1,0 +1,151 @@
+"""Speculative greedy decoding (``drafts.py``, ``decode.py``): drafts drawn from earlier turns'
+n-grams are checked several tokens a forward pass, and the tokens kept are greedy decoding's own.
+On a tiny Qwen2.5-VL, multi-turn episodes batched as the agent loop batches them (KV cache kept
+between turns, rows stopping at different lengths) give the same tokens with drafts as without,
+good drafts or bad, in fewer forward passes when the drafts are good."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from PIL import Image
+
+from pipelines.agent.policies.base import Sampling
+from pipelines.agent.policies.drafts import NgramDrafts
+from pipelines.agent.policies.hf import HFPolicy
+from pipelines.agent.protocol import format_observation
+
+QUESTIONS = ["How many red objects are there?", "What colour is it?\n(A) red\n(B) blue",
+             "Where is the cyan square? Answer in a few words, please."]
+# The chosen tokens' log-probs from a pass over several tokens against one token a pass: float32
+# rounding (other matrix shapes), as for the KV cache kept between turns (test_kv_reuse.py).
+# Measured here: at most 1.1e-4, on log-probs of order 1 in these sharpened random models.
+CHOSEN_ATOL = 5e-4
+
+
+# -- the drafts ----------------------------------------------------------------------------------
+
+def test_a_draft_continues_the_longest_recent_match():
+    d = NgramDrafts(max_ngram=3)
+    d.learn([1, 2, 3, 4, 5, 6])
+    d.learn([9, 3, 4, 7, 8])
+    assert d.propose([3, 4], 2) == [7, 8]  # the latest occurrence of (3, 4) wins
+    assert d.propose([2, 3, 4], 3) == [5, 6]  # a longer match beats a later shorter one
+    assert d.propose([0, 0, 6], 5) == []  # 6 ended a turn: nothing followed it
+    assert d.propose([42], 4) == []
+    assert d.propose([3, 4], 0) == []
+    assert d.propose([1], 3) == [2, 3, 4]
+
+
+def test_drafts_forget_old_turns_and_repeat_for_the_same_turns():
+    a, b = NgramDrafts(max_ngram=2, keep_turns=2), NgramDrafts(max_ngram=2, keep_turns=2)
+    turns = [[1, 2, 3], [4, 5, 6], [7, 8, 9], [10, 11, 12], [13, 1, 50]]
+    for t in turns:
+        a.learn(t)
+        b.learn(t)
+    assert len(a) <= 4  # bounded: the oldest turns went when it reached twice keep_turns
+    assert a.propose([1], 2) == [50] == b.propose([1], 2)
+    assert a.propose([4], 2) == []  # forgotten
+    assert a.propose([10], 2) == [11, 12]
+    with pytest.raises(ValueError):
+        NgramDrafts(max_ngram=0)
+
+
+# -- decoding with drafts ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def policy(tiny_model_dir) -> HFPolicy:
+    pol = HFPolicy.from_pretrained(str(tiny_model_dir), device="cpu", dtype="float32",
+                                   image_max_pixels=12544, image_factor=28)
+    with torch.no_grad():  # sharper than the random init, so rows stop at different lengths
+        for p in pol.model.parameters():
+            p.mul_(6.0)
+    pol.model.generation_config.suppress_tokens = pol.tokenizer.convert_tokens_to_ids(
+        ["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"])
+    probes = [_begin(pol, i) for i in range(3)]
+    pol.generate(probes, Sampling(8, 0.0, 1.0))
+    # Tokens these weights write now and then: turns end at different lengths.
+    pol.eos_ids.update({h.ids[h.prompt_len + 5] for h in probes} - pol.eos_ids)
+    for h in probes:
+        pol.end(h)
+    return pol
+
+
+def _begin(policy, i: int):
+    img = Image.new("RGB", (200 + 60 * i, 140), (200, 30 * i, 40))
+    return policy.begin([{"role": "user", "content": [{"type": "image", "image": img},
+                                                      {"type": "text", "text": QUESTIONS[i]}]}])
+
+
+def _session(policy, draft_tokens: int, drafts: NgramDrafts, max_new: int = 16,
+             sampling_t: float = 0.0):
+    """Three greedy episodes of three turns, batched (an interpreter turn between turns, the
+    KV cache kept); returns each episode's ids and log-probs, and the work counters."""
+    policy.draft_tokens, policy.drafts = draft_tokens, drafts
+    policy.cache_stats.clear()
+    try:
+        handles = [_begin(policy, i) for i in range(3)]
+        for turn in range(3):
+            policy.generate(handles, Sampling(max_new, sampling_t, 1.0))
+            for i, h in enumerate(handles):
+                parts = format_observation("ok", f"value {turn * 7 + i}\n", "", 0, 1 + turn,
+                                           "feedback")
+                policy.observe(h, parts, [])
+        out = [(list(h.ids), list(h.logprobs)) for h in handles]
+        for h in handles:
+            policy.end(h)
+        return out, dict(policy.cache_stats)
+    finally:
+        policy.draft_tokens, policy.drafts = 0, NgramDrafts()
+
+
+@pytest.fixture(scope="module")
+def sessions(policy):
+    plain, plain_stats = _session(policy, 0, NgramDrafts())
+    good = NgramDrafts()  # what these episodes' turns will be: drafts that are right
+    for ids, _ in plain:
+        good.learn(ids)
+    bad = NgramDrafts()  # the same tokens, each turn reversed: drafts that are mostly wrong
+    for ids, _ in plain:
+        bad.learn(ids[::-1])
+    return plain, plain_stats, _session(policy, 8, good), _session(policy, 8, bad)
+
+
+def test_good_drafts_give_greedy_s_tokens_in_fewer_passes(sessions):
+    plain, plain_stats, (spec, stats), _ = sessions
+    assert [ids for ids, _ in spec] == [ids for ids, _ in plain]
+    for (_, a), (_, b) in zip(plain, spec):
+        assert a == pytest.approx(b, abs=CHOSEN_ATOL)
+    assert sum(len(lp) for _, lp in plain) >= 60
+    assert plain_stats.get("draft_tokens", 0) == 0
+    assert stats["draft_kept"] >= 0.5 * stats["draft_tokens"] > 0
+    assert stats["decode_steps"] <= 0.6 * plain_stats["decode_steps"]
+    assert stats["reused"] == plain_stats["reused"] == 6  # the cache kept between turns holds
+
+
+def test_wrong_drafts_change_nothing_but_the_work(sessions):
+    plain, _, _, (spec, stats) = sessions
+    assert [ids for ids, _ in spec] == [ids for ids, _ in plain]
+    for (_, a), (_, b) in zip(plain, spec):
+        assert a == pytest.approx(b, abs=CHOSEN_ATOL)
+    assert stats["draft_tokens"] > 0 and stats["draft_kept"] < 0.5 * stats["draft_tokens"]
+
+
+def test_a_turn_cut_off_at_the_limit_keeps_the_limit(policy, sessions):
+    plain, _, _, _ = sessions
+    good = NgramDrafts()
+    for ids, _ in plain:
+        good.learn(ids)
+    short, _ = _session(policy, 0, NgramDrafts(), max_new=5)
+    spec, stats = _session(policy, 8, good, max_new=5)
+    assert [ids for ids, _ in spec] == [ids for ids, _ in short]
+    assert stats["draft_kept"] > 0
+
+
+def test_sampled_turns_ignore_the_drafts(policy, sessions):
+    plain, _, _, _ = sessions
+    good = NgramDrafts()
+    for ids, _ in plain:
+        good.learn(ids)
+    _, stats = _session(policy, 8, good, sampling_t=0.7)
+    assert stats.get("draft_tokens", 0) == 0
