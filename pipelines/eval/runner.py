@@ -133,15 +133,18 @@ def check_endpoint(url: str, timeout_s: float = 10.0, *, what: str = "model serv
 # with other values must not be mixed with these under one run id.
 _ROLLOUT_ONLY = {"agent.max_turns_train", "agent.temperature", "agent.top_p",
                  "sandbox.isolation"}
+# Keys that change how fast samples are made, and their float rounding as `eval.batch_size`
+# does, not what is evaluated: a run may be resumed with another value.
+_SPEED_ONLY = {"agent.draft_tokens"}
 
 
 def eval_settings(config: Mapping[str, Any]) -> dict[str, Any]:
     """The evaluation-deciding keys of a resolved recipe (``agent.*`` and ``sandbox.*`` but for
-    the rollout-only ones), flattened."""
+    the rollout-only and speed-only ones), flattened."""
     out: dict[str, Any] = {}
     for section in ("agent", "sandbox"):
         for key, value in (config.get(section) or {}).items():
-            if f"{section}.{key}" not in _ROLLOUT_ONLY:
+            if f"{section}.{key}" not in _ROLLOUT_ONLY | _SPEED_ONLY:
                 out[f"{section}.{key}"] = value
     return out
 

@@ -147,8 +147,9 @@ def test_eval_rerun_with_other_settings_is_refused_not_mixed(tmp_path: Path):
         assert shown in e.value.message and "--force" in e.value.one_line()
     assert store.run_config("ev")["agent"]["max_turns_eval"] == 2  # not overwritten
     assert {r["prediction"] for r in store.eval_records("ev")} == {"red"}
-    # Rollout-only settings do not decide an evaluated sample: same run, resumed.
+    # Rollout-only and speed-only settings do not decide an evaluated sample: same run, resumed.
     _eval(data, "agent.max_turns_eval=2", "agent.temperature=0.3")
+    _eval(data, "agent.max_turns_eval=2", "agent.draft_tokens=0")
     # --force: the run's samples are forgotten and made again with the new settings.
     again = _eval(data, "agent.max_turns_eval=3", force=True, answer="blue")
     assert again["synth-image"]["accuracy"] == 0.0

@@ -23,30 +23,40 @@ class NgramDrafts:
     """The tokens of recent finished turns, indexed by their n-grams (the latest occurrence of
     each wins). Deterministic: the same turns learnt in the same order give the same drafts."""
 
-    def __init__(self, max_ngram: int = 4, keep_turns: int = 512) -> None:
-        if max_ngram < 1 or keep_turns < 1:
-            raise ValueError("max_ngram and keep_turns must be at least 1")
+    def __init__(self, max_ngram: int = 4, keep_tokens: int = 65536) -> None:
+        if max_ngram < 1 or keep_tokens < 1:
+            raise ValueError("max_ngram and keep_tokens must be at least 1")
         self.max_ngram = max_ngram
-        self.keep_turns = keep_turns  # older turns are forgotten (bounded memory)
+        # Memory stays bounded: past twice this many tokens, only the most recent turns holding
+        # at most this many are kept (about 0.64 kB a token at most, all n-grams distinct).
+        self.keep_tokens = keep_tokens
         self._turns: list[list[int]] = []
+        self._tokens = 0
         self._index: dict[tuple[int, ...], tuple[int, int]] = {}  # n-gram -> (turn, next pos)
 
     def __len__(self) -> int:
-        return len(self._turns)
+        """Tokens remembered."""
+        return self._tokens
 
     def learn(self, tokens: Sequence[int]) -> None:
         """Remember one turn's tokens (with a few tokens of the context it followed in front,
         so that its opening can be drafted too)."""
-        if len(self._turns) >= 2 * self.keep_turns:  # rebuild from the most recent turns
-            kept = self._turns[-self.keep_turns:]
-            self._turns, self._index = [], {}
-            for turn in kept:
-                self._add(turn)
         self._add(list(tokens))
+        if self._tokens > 2 * self.keep_tokens:  # rebuild from the most recent turns
+            kept, n = [], 0
+            for turn in reversed(self._turns):
+                if n + len(turn) > self.keep_tokens:
+                    break
+                kept.append(turn)
+                n += len(turn)
+            self._turns, self._tokens, self._index = [], 0, {}
+            for turn in reversed(kept):
+                self._add(turn)
 
     def _add(self, turn: list[int]) -> None:
         t = len(self._turns)
         self._turns.append(turn)
+        self._tokens += len(turn)
         for n in range(1, self.max_ngram + 1):
             for s in range(len(turn) - n):
                 self._index[tuple(turn[s: s + n])] = (t, s + n)

@@ -38,12 +38,13 @@ def test_a_draft_continues_the_longest_recent_match():
 
 
 def test_drafts_forget_old_turns_and_repeat_for_the_same_turns():
-    a, b = NgramDrafts(max_ngram=2, keep_turns=2), NgramDrafts(max_ngram=2, keep_turns=2)
+    a, b = NgramDrafts(max_ngram=2, keep_tokens=6), NgramDrafts(max_ngram=2, keep_tokens=6)
     turns = [[1, 2, 3], [4, 5, 6], [7, 8, 9], [10, 11, 12], [13, 1, 50]]
     for t in turns:
         a.learn(t)
         b.learn(t)
-    assert len(a) <= 4  # bounded: the oldest turns went when it reached twice keep_turns
+        assert len(a) <= 12  # bounded: past twice keep_tokens, the oldest turns go
+    assert len(a) == 6  # the fifth turn passed 12 tokens: the last two turns are kept
     assert a.propose([1], 2) == [50] == b.propose([1], 2)
     assert a.propose([4], 2) == []  # forgotten
     assert a.propose([10], 2) == [11, 12]
