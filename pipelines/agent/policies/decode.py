@@ -449,7 +449,11 @@ def decode_batch(model: Any, ids: Any, attn: Any, vision: dict[str, Any], *, max
     numbers behind a throughput figure, which do not vary with the machine's load):
     ``prefill_slots`` (token positions through a prefill), ``decode_steps``, ``decode_rows``
     (rows summed over the steps) and ``decode_keys`` (cached positions each row attended over,
-    summed).
+    summed), and with drafts ``draft_tokens`` (drafted) and ``draft_kept``.
+
+    ``drafts`` and ``draft_tokens`` > 0 make a greedy batch (``temperature`` 0, no
+    ``processors``, a model :func:`lean_step` handles) check up to ``draft_tokens`` drafted
+    tokens a step (module docstring); ``drafts`` learns every row's turn as it ends.
 
     ``stops(tokens)`` says whether a row's tokens so far end its turn (besides an eos token);
     ``on_done(i, row)`` is called the moment row ``i`` stops (the others keep decoding), or at
@@ -562,10 +566,13 @@ def decode_batch(model: Any, ids: Any, attn: Any, vision: dict[str, Any], *, max
                 retire(keep)
             if processors:
                 context = torch.cat([context, tok[:, None]], dim=1)
-            proposals = [drafts.propose(  # type: ignore[union-attr]
-                (tails[r] + rows[r].tokens)[-n_tail:], min(draft_tokens, max_new_tokens - 1 -
-                                                         len(rows[r].tokens))) for r in live] \
-                if spec else []
+            proposals = []  # each row's draft: at most what keeps it within max_new_tokens
+            if spec:
+                for r in live:
+                    made = rows[r].tokens
+                    tail = made[-n_tail:] if len(made) >= n_tail else (tails[r] + made)[-n_tail:]
+                    proposals.append(drafts.propose(  # type: ignore[union-attr]
+                        tail, min(draft_tokens, max_new_tokens - 1 - len(made))))
             width = max(map(len, proposals), default=0)
             if not width:
                 attn = torch.cat([attn, attn.new_ones((attn.shape[0], 1))], dim=1)
