@@ -471,10 +471,14 @@ def decode_batch(model: Any, ids: Any, attn: Any, vision: dict[str, Any], *, max
     eos = torch.tensor(sorted(eos_ids), device=device)
     suppress_t = torch.tensor(sorted(suppress), device=device, dtype=torch.long)
     cache = _growing_cache(model)
+    # Speculative greedy decoding (module docstring), when the model also has a lean step: every
+    # row's next token and a draft after it go through the model together.
+    spec = drafts is not None and draft_tokens > 0 and not processors and temperature <= 0 \
+        and not code_temperature
     # Each row's last context tokens: the first draft continues them.
-    n_tail = drafts.max_ngram if drafts is not None else 0
+    n_tail = drafts.max_ngram if spec else 0  # type: ignore[union-attr]
     tails = [[t for t, a in zip(ids[i, -n_tail:].tolist(), attn[i, -n_tail:].tolist()) if a]
-             for i in range(len(rows))] if n_tail else []
+             for i in range(len(rows))] if spec else []
     if positions is None:
         if past is not None:
             raise ValueError("a batch that continues cached states needs its positions")
@@ -503,10 +507,8 @@ def decode_batch(model: Any, ids: Any, attn: Any, vision: dict[str, Any], *, max
         else:
             last, attn = _prefill_apart(model, groups, cache, ids, attn, positions, vision,
                                         past, row_images, count)  # type: ignore[arg-type]
-        # Speculative greedy decoding: every row's next token and a draft after it go through
-        # the model together; the draft's tokens the model agrees with are kept (module doc).
-        spec = drafts is not None and draft_tokens > 0 and step is not None and \
-            not processors and temperature <= 0 and not code_temperature
+        spec = spec and step is not None
+        eos_set = set(eos_ids)
 
         def finish(j: int, r: int) -> None:
             row = rows[r]
@@ -534,9 +536,7 @@ def decode_batch(model: Any, ids: Any, attn: Any, vision: dict[str, Any], *, max
 
         for _ in range(max_new_tokens):
             logits = last.float()
-            scores = logits.clone()
-            if len(suppress_t):
-                scores[:, suppress_t] = float("-inf")
+            scores = _suppressed(logits, suppress_t)
             for proc in processors:
                 scores = proc(context, scores)
             temps = [code_temperature if code_temperature is not None and rows[r].in_code
@@ -588,7 +588,7 @@ def decode_batch(model: Any, ids: Any, attn: Any, vision: dict[str, Any], *, max
                 nxt = nxt + 1
                 continue
             attn, nxt, last = _verify(step, rows, live, tok, proposals, width, nxt, attn,  # type: ignore[arg-type]
-                                      cache, suppress_t, eos, stops, count)
+                                      cache, suppress_t, eos_set, stops, count)
             done = [j for j, r in enumerate(live) if rows[r].done]
             for j in done:
                 finish(j, live[j])
@@ -607,13 +607,21 @@ def decode_batch(model: Any, ids: Any, attn: Any, vision: dict[str, Any], *, max
     return rows
 
 
+def _suppressed(logits: Any, suppress_t: Any) -> Any:
+    """A copy of ``logits`` (``[..., V]``) with the suppressed tokens at -inf."""
+    scores = logits.clone()
+    if len(suppress_t):
+        scores[..., suppress_t] = float("-inf")
+    return scores
+
+
 # Masked key positions (rejected drafts) a batch may carry before :func:`_close_holes` runs.
 _HOLES = 64
 
 
 def _verify(step: _LeanStep, rows: list[Row], live: list[int], tok: Any,
             proposals: list[list[int]], width: int, nxt: Any, attn: Any, cache: Any,
-            suppress_t: Any, eos: Any, stops: Callable[[list[int]], bool],
+            suppress_t: Any, eos: set[int], stops: Callable[[list[int]], bool],
             count: Counter[str]) -> tuple[Any, Any, Any]:
     """One forward pass over each live row's next token ``tok`` and its draft (padded to
     ``width`` tokens); each row keeps its draft's longest prefix that greedy decoding chooses
@@ -633,12 +641,8 @@ def _verify(step: _LeanStep, rows: list[Row], live: list[int], tok: Any,
     mask = torch.cat([attn[:, None, None, :].bool().expand(b, 1, width + 1, attn.shape[1]),
                       causal[None, None].expand(b, 1, -1, -1)], dim=-1)
     logits = step.verify(feed, nxt[:, :, None] + span, mask, cache.layers).float()
-    scores = logits.clone()
-    if len(suppress_t):
-        scores[..., suppress_t] = float("-inf")
-    choice = scores.argmax(-1).tolist()  # [b, T]: greedy's token after each fed one
+    choice = _suppressed(logits, suppress_t).argmax(-1).tolist()  # [b, T]: greedy's token after each fed one
     logp = torch.log_softmax(logits, dim=-1)
-    eos_ids = set(eos.tolist())
     fed = []  # per row: its fed tokens that stay (the next token and the agreed draft)
     accepted = 0
     for j, (r, d) in enumerate(zip(live, proposals)):
@@ -650,7 +654,7 @@ def _verify(step: _LeanStep, rows: list[Row], live: list[int], tok: Any,
             row.logprobs.append(float(logp[j, q, t]))
             row.temperatures.append(0.0)
             accepted += 1
-            if t in eos_ids or stops(row.tokens):
+            if t in eos or stops(row.tokens):
                 row.done = True  # the token that ends the turn is not fed, as without a draft
                 break
             n += 1

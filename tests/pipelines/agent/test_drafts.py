@@ -103,13 +103,17 @@ def _session(policy, draft_tokens: int, drafts: NgramDrafts, max_new: int = 16,
 @pytest.fixture(scope="module")
 def sessions(policy):
     plain, plain_stats = _session(policy, 0, NgramDrafts())
-    good = NgramDrafts()  # what these episodes' turns will be: drafts that are right
-    for ids, _ in plain:
-        good.learn(ids)
-    bad = NgramDrafts()  # the same tokens, each turn reversed: drafts that are mostly wrong
-    for ids, _ in plain:
-        bad.learn(ids[::-1])
+    # Drafts that are right (what these episodes' turns will be), and mostly wrong (the same
+    # tokens, each episode reversed).
+    good, bad = _learnt(ids for ids, _ in plain), _learnt(ids[::-1] for ids, _ in plain)
     return plain, plain_stats, _session(policy, 8, good), _session(policy, 8, bad)
+
+
+def _learnt(turns) -> NgramDrafts:
+    drafts = NgramDrafts()
+    for turn in turns:
+        drafts.learn(turn)
+    return drafts
 
 
 def test_good_drafts_give_greedy_s_tokens_in_fewer_passes(sessions):
@@ -134,9 +138,7 @@ def test_wrong_drafts_change_nothing_but_the_work(sessions):
 
 def test_a_turn_cut_off_at_the_limit_keeps_the_limit(policy, sessions):
     plain, _, _, _ = sessions
-    good = NgramDrafts()
-    for ids, _ in plain:
-        good.learn(ids)
+    good = _learnt(ids for ids, _ in plain)
     short, _ = _session(policy, 0, NgramDrafts(), max_new=5)
     spec, stats = _session(policy, 8, good, max_new=5)
     assert [ids for ids, _ in spec] == [ids for ids, _ in short]
@@ -145,8 +147,6 @@ def test_a_turn_cut_off_at_the_limit_keeps_the_limit(policy, sessions):
 
 def test_sampled_turns_ignore_the_drafts(policy, sessions):
     plain, _, _, _ = sessions
-    good = NgramDrafts()
-    for ids, _ in plain:
-        good.learn(ids)
+    good = _learnt(ids for ids, _ in plain)
     _, stats = _session(policy, 8, good, sampling_t=0.7)
     assert stats.get("draft_tokens", 0) == 0
