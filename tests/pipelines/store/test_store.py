@@ -351,3 +351,29 @@ def test_report_reads_through_one_connection(tmp_path, monkeypatch):
         # let go before any rendering. It used to be taken once per query.
         assert len(opened) == (3 if fmt == "html" else 2), (fmt, len(opened))
     assert rendered == [True]  # html rendered after the reads let the store go
+
+
+def test_eval_records_in_multi_row_statements(tmp_path, monkeypatch):
+    """A batch is written a few rows a statement (here 2, so chunks end mid-batch): every row
+    lands once, a key given twice keeps its later record, an earlier copy of a sample (and its
+    scores) is replaced, media shared by samples is stored once."""
+    import dataclasses
+
+    import pipelines.store as store_mod
+    from pipelines.core.media import MediaBlob
+
+    monkeypatch.setattr(store_mod, "_ROWS_PER_STATEMENT", 2)
+    store = Store(tmp_path / "s.duckdb")
+    blob = MediaBlob(sha256="ab" * 32, mime="image/jpeg", width=2, height=1, data=b"\xff\xd8")
+    old = dataclasses.replace(_record(sample_id="3"), prediction="B", scores={"overall": 0.0,
+                                                                                "stale": 1.0})
+    store.add_eval_records([old])
+    recs = [dataclasses.replace(_record(sample_id=str(i)), blobs=[blob],
+                                prediction=None if i == 0 else "A") for i in range(5)]
+    store.add_eval_records([*recs, dataclasses.replace(recs[1], prediction="C")])
+    rows = {r["sample_id"]: r for r in store.eval_records("r")}
+    assert sorted(rows) == ["0", "1", "2", "3", "4"]
+    assert rows["0"]["prediction"] is None and rows["1"]["prediction"] == "C"
+    assert rows["3"]["prediction"] == "A"
+    assert store.eval_scores("r", "rl", "vstar")["3"] == {"overall": 1.0}
+    assert store._query("SELECT count(*) AS n FROM media")[0]["n"] == 1
