@@ -1325,12 +1325,14 @@ def worker_main(sock: socket.socket, limits: dict, preloaded: dict, mode: str,
 
 
 def _close_fds_except(keep: set[int]) -> None:
-    for fd in range(3, 4096):
-        if fd not in keep:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+    """Close every descriptor from 3 up except ``keep`` (``os.closerange``: the close_range
+    system call where there is one, instead of a Python loop of ~4,000 failing closes, which
+    cost each sandbox about 4 ms of CPU)."""
+    low = 3
+    for fd in sorted(k for k in keep if k >= 3):
+        os.closerange(low, fd)
+        low = fd + 1
+    os.closerange(low, max(os.sysconf("SC_OPEN_MAX"), 4096))
 
 
 def spawn(conn_fd: int, limits: dict, preloaded: dict, mode: str, control_fd: int,

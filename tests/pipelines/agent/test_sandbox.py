@@ -951,3 +951,38 @@ def test_a_close_during_a_restart_leaves_no_worker(monkeypatch) -> None:
     closer.join(10)
     assert result.status in ("ok", "crashed")
     assert s._sock is None and s._output_fd is None  # the restarted worker was ended too
+
+
+def test_a_sandbox_process_keeps_only_the_descriptors_it_is_given():
+    """What the zygote holds (its control socket, other sandboxes' sockets, library files) is
+    closed in each sandbox's process, however high its number; only the kept ones stay."""
+    import json
+
+    from pipelines.agent.sandbox._zygote import _close_fds_except
+
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through the pipe and exits
+        code = 1
+        try:
+            os.close(read)
+            opened = [os.open(os.devnull, os.O_RDONLY) for _ in range(5)]
+            os.dup2(opened[0], 3000)
+            keep = {write, opened[2]}
+            _close_fds_except(keep)
+            left = set()
+            for fd in range(3, 3100):  # probed without opening any (as listdir would)
+                try:
+                    os.fstat(fd)
+                    left.add(fd)
+                except OSError:
+                    pass
+            os.write(write, json.dumps({"left": sorted(left), "keep": sorted(keep)}).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write)
+    with os.fdopen(read) as fh:
+        seen = json.loads(fh.read())
+    _, status = os.waitpid(pid, 0)
+    assert status == 0 and seen["left"] == seen["keep"] and len(seen["keep"]) == 2
