@@ -62,6 +62,7 @@ def perf_eval(
     max_turns: Annotated[int, typer.Option(help="Most assistant turns per sample.", min=1)] = 4,
     batch_size: Annotated[int, typer.Option(help="Trajectories advanced together.", min=1)] = 8,
     draft_tokens: Annotated[int | None, typer.Option(help="Drafted tokens checked per forward pass in greedy turns (agent.draft_tokens; 0: one token a pass).", min=0, max=64)] = None,
+    dtype: Annotated[Literal["float32", "bfloat16"], typer.Option(help="The model's precision (model.dtype). bfloat16 is only faster on CPUs that compute it natively (AVX512-BF16, AMX); it changes some greedy trajectories.")] = "float32",
     json_out: JsonOpt = False,
 ) -> None:
     """Evaluation samples/s (agent loop + sandbox + scoring + store) per family, image and video.
@@ -76,7 +77,7 @@ def perf_eval(
                         hint="pass --n-image N and/or --n-video N (N >= 1)")
     with err.status("measuring evaluation ..."):
         result = run_benchmark(n_image, n_video, size, max_new_tokens, max_turns, batch_size,
-                               model_dir=model, draft_tokens=draft_tokens)
+                               model_dir=model, draft_tokens=draft_tokens, dtype=dtype)
     if json_out:
         print_json(result)
     else:

@@ -81,11 +81,12 @@ def _cpu(process_s: float, tree_end: float | None, tree_start: float | None, n: 
 def run_benchmark(n_image: int = 8, n_video: int = 4, size: str = "nano",
                   max_new_tokens: int = 64, max_turns: int = 4, batch_size: int = 8,
                   model_dir: str | Path | None = None, draft_tokens: int | None = None,
-                  workdir: str | Path | None = None) -> dict[str, Any]:
+                  dtype: str = "float32", workdir: str | Path | None = None) -> dict[str, Any]:
     """Measure evaluation throughput on this machine; returns the JSON the CLI prints.
 
     ``model_dir`` measures that model (e.g. the demo's trained one) instead of a fresh tiny one;
-    ``draft_tokens`` overrides ``agent.draft_tokens`` (0: one token a forward pass).
+    ``draft_tokens`` overrides ``agent.draft_tokens`` (0: one token a forward pass); ``dtype``
+    is the model's precision (``model.dtype``).
     """
     import torch
 
@@ -118,11 +119,11 @@ def run_benchmark(n_image: int = 8, n_video: int = 4, size: str = "nano",
                 data[family] = root / family
         recipe = load_recipe(None, [
             f"agent.max_new_tokens_per_turn={max_new_tokens}", f"agent.max_turns_eval={max_turns}",
-            f"eval.batch_size={batch_size}", "model.device=cpu", "model.dtype=float32",
+            f"eval.batch_size={batch_size}", "model.device=cpu", f"model.dtype={dtype}",
             *([f"agent.draft_tokens={draft_tokens}"] if draft_tokens is not None else [])])
         store = Store(root / "perf.duckdb")
         t = time.monotonic()
-        model = HFPolicy.from_pretrained(str(model_path), device="cpu", dtype="float32",
+        model = HFPolicy.from_pretrained(str(model_path), device="cpu", dtype=dtype,
                                          image_min_pixels=recipe.agent.image_min_pixels,
                                          image_max_pixels=recipe.agent.image_max_pixels,
                                          draft_tokens=recipe.agent.draft_tokens)
@@ -157,6 +158,7 @@ def run_benchmark(n_image: int = 8, n_video: int = 4, size: str = "nano",
     return {
         "model": {"path": str(model_dir) if model_dir else f"tiny {size} (built here)",
                   "parameters": sum(p.numel() for p in model.model.parameters()),
+                  "dtype": str(next(model.model.parameters()).dtype).removeprefix("torch."),
                   "build_s": round(build_s, 3), "load_s": round(load_s, 3)},
         "settings": {"max_new_tokens_per_turn": max_new_tokens, "max_turns": max_turns,
                      "batch_size": batch_size, "draft_tokens": recipe.agent.draft_tokens,
