@@ -793,6 +793,10 @@ class Runtime:
     MAX_ASPECT = 200
     # Figures that are one image in a bare Axes are composed with PIL (``_single_image``).
     compose_single_images = True
+    # Large images in figures matplotlib draws are given to it shrunk (``_shrink_images``);
+    # how many were, counted for the tests.
+    shrink_drawn_images = True
+    shrunk_images = 0
 
     def __init__(self, preloaded: dict, limits: dict, output=None) -> None:
         self.limits = limits
@@ -944,12 +948,56 @@ class Runtime:
 
                 canvas = FigureCanvasAgg(fig)
             fig.set_dpi(dpi)
+            if self.shrink_drawn_images:
+                self._shrink_images(fig)
             canvas.draw()
             rgba = self.Image.frombuffer("RGBA", canvas.get_width_height(),
                                          canvas.buffer_rgba(), "raw", "RGBA", 0, 1)
             self._keep(self._to_context(rgba, size))
         finally:
             self.plt.close(fig)
+
+    def _shrink_images(self, fig) -> None:
+        """Give matplotlib a box-averaged copy of each large RGB image it is about to shrink.
+
+        ``plt.imshow(image); plt.show()`` with the axes on is drawn by matplotlib, which
+        resamples the whole image into an Axes of a few dozen pixels at the context size: 24 of
+        a 1024x768 image's ~55 ms, and most of the call for a 4K or 8K one. An image shown
+        at most ``1 / (2 f)`` display pixels per image pixel is replaced by its ``f`` x ``f``
+        box average (its extent kept), so matplotlib still downsamples at least twice with its
+        own anti-aliasing: the same picture to about 0.1 of 255 on average (test_sandbox). The
+        bound holds wherever a layout puts the Axes (it uses the whole figure's size and the
+        view's zoom). Only uint8 RGB data at the default interpolation, not masked, on a plain
+        data transform; anything else, or anything unforeseen, is drawn as it is. The figure is
+        closed after it is shown, so the code never sees the copy."""
+        import numpy as np
+
+        fw, fh = fig.get_size_inches() * fig.dpi
+        for ax in fig.axes:
+            for im in ax.get_images():
+                try:
+                    data = im.get_array()
+                    if (im.get_interpolation() != "auto" or im.get_interpolation_stage() != "auto"
+                            or im.get_transform() is not ax.transData
+                            or not ax.transData.is_affine or np.ma.is_masked(data)):
+                        continue
+                    data = np.asarray(data)
+                    if data.dtype != np.uint8 or data.ndim != 3 or data.shape[2] != 3:
+                        continue
+                    h, w = data.shape[:2]
+                    x0, x1, y0, y1 = im.get_extent()
+                    (vx0, vx1), (vy0, vy1) = ax.get_xlim(), ax.get_ylim()
+                    zoom_x, zoom_y = abs(x1 - x0) / abs(vx1 - vx0), abs(y1 - y0) / abs(vy1 - vy0)
+                    per_pixel = max(fw * zoom_x / w, fh * zoom_y / h)
+                    f = int(1 / (2 * per_pixel)) if per_pixel > 0 else 0
+                    if f < 2:
+                        continue
+                    small = np.asarray(self.Image.fromarray(data).reduce(f))
+                    im.set_extent((x0, x1, y0, y1))
+                    im.set_data(small)
+                    self.shrunk_images += 1
+                except Exception:  # noqa: BLE001, S112 - drawn as it is
+                    continue
 
     def _single_image(self, fig, canvas_size: tuple[int, int], size: tuple[int, int]):
         """The picture of ``fig`` at ``size`` composed directly with PIL, or None when the figure

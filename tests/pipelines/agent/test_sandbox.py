@@ -321,6 +321,53 @@ def test_figures_with_more_than_one_bare_image_are_drawn_by_matplotlib(context_s
     assert np.array_equal(composed, drawn)
 
 
+# A figure matplotlib draws gets each large RGB image box-averaged first (``_shrink_images``),
+# only where it would shrink the image at least twice anyway: the model must see the same picture.
+# (At the default context bounds a figure is drawn at its own size, 640x480: the image must be
+# several times larger than the figure, as a 1024x768 task image is in a figure seen at 112x84.)
+SMALL_FIGURE = "plt.figure(figsize=(3.2, 2.4), dpi=40)\n"  # 128x96 pixels
+SHRUNK_FIGURES = {  # code, images shrunk
+    "axis on": (SMALL_FIGURE + "plt.imshow(smooth); plt.show()", 1),
+    "PIL image, title": (SMALL_FIGURE + "plt.imshow(Image.fromarray(smooth)); plt.title('t'); "
+                                        "plt.show()", 1),
+    "two axes": (("fig, (a, b) = plt.subplots(1, 2, figsize=(3.2, 2.4), dpi=40)\na.imshow(smooth)\n"
+                  "b.imshow(smooth[:100, :150])\nplt.show()"), 1),
+    "origin lower, extent": (SMALL_FIGURE + "plt.imshow(smooth, origin='lower', extent=(0, 8, 0, 6));"
+                                            " plt.show()", 1),
+    "constrained layout": (("plt.figure(figsize=(3.2, 2.4), dpi=40, layout='constrained')\n"
+                            "plt.imshow(smooth); plt.axis('off'); plt.title('t'); plt.show()"), 1),
+    "zoomed in": (SMALL_FIGURE + "plt.imshow(smooth); plt.xlim(0, 60); plt.ylim(45, 0); plt.show()",
+                  0),
+    "nearest": (SMALL_FIGURE + "plt.imshow(smooth, interpolation='nearest'); plt.show()", 0),
+    "colormapped": (SMALL_FIGURE + "plt.imshow(smooth[..., 0]); plt.show()", 0),
+    "float rgb": (SMALL_FIGURE + "plt.imshow(smooth / 255.0); plt.show()", 0),
+    "figure's own size": ("plt.imshow(smooth); plt.show()", 0),
+}
+
+
+@pytest.mark.parametrize("name", list(SHRUNK_FIGURES))
+def test_large_images_matplotlib_draws_are_shrunk_first_to_the_same_picture(context_sbx, name):
+    import numpy as np
+
+    code, n = SHRUNK_FIGURES[name]
+    shown = []
+    for shrink in (True, False):
+        result = context_sbx.run(f"runtime.shrink_drawn_images = {shrink}\n"
+                                 f"runtime.shrunk_images = 0\n{code}\nprint(runtime.shrunk_images)")
+        _ok(result)
+        assert len(result.frames) == 1
+        shown.append((int(result.stdout.split()[-1]),
+                      np.asarray(result.frames[0], dtype=np.int16)))
+    _ok(context_sbx.run("runtime.shrink_drawn_images = True"))
+    (count, shrunk), (unshrunk_count, full) = shown
+    assert (count, unshrunk_count) == (n, 0)
+    assert shrunk.shape == full.shape
+    if n:
+        assert np.abs(shrunk - full).mean() < 1.0, np.abs(shrunk - full).mean()  # measured 0.1-0.4
+    else:
+        assert np.array_equal(shrunk, full)
+
+
 # ``plt.figure(figsize=...)``, ``plt.imshow(rgb)``, ``plt.axis("off")``, ``plt.show()`` is
 # recorded and composed without building matplotlib's figure (``DeferredPyplot``): it must show
 # exactly what composing matplotlib's figure shows, and anything else must behave as matplotlib.
