@@ -40,12 +40,16 @@ from pipelines.errors import UserError
 _ROWS_PER_STATEMENT = 512
 
 
+def _row_of_parameters(n: int) -> str:
+    return "(" + ", ".join(["?"] * n) + ")"
+
+
 def _insert_rows(con: duckdb.DuckDBPyConnection, table: str, columns: Sequence[str],
                  rows: Sequence[Sequence[Any]], *, or_ignore: bool = False) -> None:
     """``INSERT [OR IGNORE] INTO table (columns) VALUES (...), (...)``: many rows a statement."""
     head = (f"INSERT {'OR IGNORE ' if or_ignore else ''}INTO {table} ({', '.join(columns)}) "
             "VALUES ")
-    one = "(" + ", ".join(["?"] * len(columns)) + ")"
+    one = _row_of_parameters(len(columns))
     for at in range(0, len(rows), _ROWS_PER_STATEMENT):
         chunk = rows[at: at + _ROWS_PER_STATEMENT]
         con.execute(head + ", ".join([one] * len(chunk)), [v for row in chunk for v in row])
@@ -54,7 +58,7 @@ def _insert_rows(con: duckdb.DuckDBPyConnection, table: str, columns: Sequence[s
 def _delete_keys(con: duckdb.DuckDBPyConnection, table: str, columns: Sequence[str],
                  keys: Sequence[Sequence[Any]]) -> None:
     """Delete the rows of ``table`` whose ``columns`` equal one of ``keys``."""
-    one = "(" + ", ".join(["?"] * len(columns)) + ")"
+    one = _row_of_parameters(len(columns))
     for at in range(0, len(keys), _ROWS_PER_STATEMENT):
         chunk = keys[at: at + _ROWS_PER_STATEMENT]
         con.execute(f"DELETE FROM {table} WHERE ({', '.join(columns)}) IN "
@@ -518,8 +522,7 @@ class Store:
         transaction); its trajectory and prediction stay as they are."""
         with self._transaction() as con:
             key = [run_id, model, benchmark, sample_id]
-            con.execute("DELETE FROM eval_scores WHERE run_id=? AND model=? AND benchmark=? "
-                        "AND sample_id=?", key)
+            _delete_keys(con, "eval_scores", self._EVAL_KEY, [key])
             self._insert_scores(con, [(key, scores)])
             con.execute("UPDATE eval_trajectories SET scorer=?, scored_by=? WHERE run_id=? AND "
                         "model=? AND benchmark=? AND sample_id=?", [scorer, scored_by, *key])

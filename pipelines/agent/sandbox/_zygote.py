@@ -965,7 +965,7 @@ class Runtime:
         a 1024x768 image's ~55 ms, and most of the call for a 4K or 8K one. An image shown
         at most ``1 / (2 f)`` display pixels per image pixel is replaced by its ``f`` x ``f``
         box average (its extent kept), so matplotlib still downsamples at least twice with its
-        own anti-aliasing: the same picture to about 0.1 of 255 on average (test_sandbox). The
+        own anti-aliasing: the same picture to 0.1-0.4 of 255 on average (test_sandbox). The
         bound holds wherever a layout puts the Axes (it uses the whole figure's size and the
         view's zoom). Only uint8 RGB data at the default interpolation, not masked, on a plain
         data transform; anything else, or anything unforeseen, is drawn as it is. The figure is
@@ -993,7 +993,9 @@ class Runtime:
                     if f < 2:
                         continue
                     small = np.asarray(self.Image.fromarray(data).reduce(f))
-                    im.set_extent((x0, x1, y0, y1))
+                    im.set_extent((x0, x1, y0, y1))  # (it autoscales the view to this image:
+                    ax.set_xlim((vx0, vx1), auto=None)  # the view it had is put back)
+                    ax.set_ylim((vy0, vy1), auto=None)
                     im.set_data(small)
                     self.shrunk_images += 1
                 except Exception:  # noqa: BLE001, S112 - drawn as it is

@@ -336,6 +336,10 @@ SHRUNK_FIGURES = {  # code, images shrunk
                                             " plt.show()", 1),
     "constrained layout": (("plt.figure(figsize=(3.2, 2.4), dpi=40, layout='constrained')\n"
                             "plt.imshow(smooth); plt.axis('off'); plt.title('t'); plt.show()"), 1),
+    # The view is the last image's extent, twice the first's: it must stay so.
+    "two images, one Axes": (SMALL_FIGURE + "plt.imshow(smooth); plt.imshow(smooth[:100, :100], "
+                                            "extent=(-0.5, 1599.5, 1199.5, -0.5), alpha=0.5); "
+                                            "plt.show()", 1),
     "zoomed in": (SMALL_FIGURE + "plt.imshow(smooth); plt.xlim(0, 60); plt.ylim(45, 0); plt.show()",
                   0),
     "nearest": (SMALL_FIGURE + "plt.imshow(smooth, interpolation='nearest'); plt.show()", 0),
