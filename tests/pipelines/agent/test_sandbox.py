@@ -1004,7 +1004,8 @@ def test_a_close_during_a_restart_leaves_no_worker(monkeypatch) -> None:
     assert s._sock is None and s._output_fd is None  # the restarted worker was ended too
 
 
-def test_a_sandbox_process_keeps_only_the_descriptors_it_is_given():
+@pytest.mark.parametrize("proc", [True, False], ids=["listed in /proc", "without /proc"])
+def test_a_sandbox_process_keeps_only_the_descriptors_it_is_given(proc):
     """What the zygote holds (its control socket, other sandboxes' sockets, library files) is
     closed in each sandbox's process, however high its number; only the kept ones stay."""
     import json
@@ -1020,6 +1021,10 @@ def test_a_sandbox_process_keeps_only_the_descriptors_it_is_given():
             opened = [os.open(os.devnull, os.O_RDONLY) for _ in range(5)]
             os.dup2(opened[0], 3000)
             keep = {write, opened[2]}
+            if not proc:
+                def no_proc(path):
+                    raise FileNotFoundError(path)
+                os.listdir = no_proc
             _close_fds_except(keep)
             left = set()
             for fd in range(3, 3100):  # probed without opening any (as listdir would)
