@@ -123,7 +123,7 @@ def run_benchmark(n_image: int = 8, n_video: int = 4, size: str = "nano",
             *([f"agent.draft_tokens={draft_tokens}"] if draft_tokens is not None else [])])
         store = Store(root / "perf.duckdb")
         t = time.monotonic()
-        model = HFPolicy.from_pretrained(str(model_path), device="cpu", dtype=dtype,
+        model = HFPolicy.from_pretrained(str(model_path), device="cpu", dtype=recipe.model.dtype,
                                          image_min_pixels=recipe.agent.image_min_pixels,
                                          image_max_pixels=recipe.agent.image_max_pixels,
                                          draft_tokens=recipe.agent.draft_tokens)
