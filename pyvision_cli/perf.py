@@ -63,6 +63,7 @@ def perf_eval(
     batch_size: Annotated[int, typer.Option(help="Trajectories advanced together.", min=1)] = 8,
     draft_tokens: Annotated[int | None, typer.Option(help="Drafted tokens checked per forward pass in greedy turns (agent.draft_tokens; 0: one token a pass).", min=0, max=64)] = None,
     dtype: Annotated[Literal["float32", "bfloat16"], typer.Option(help="The model's precision (model.dtype). bfloat16 is only faster on CPUs that compute it natively (AVX512-BF16, AMX); it changes some greedy trajectories.")] = "float32",
+    threads: Annotated[int | None, typer.Option(help="torch CPU threads while the model generates (agent.cpu_threads, default 1; 0: torch's default, one per core).", min=0, max=1024)] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Evaluation samples/s (agent loop + sandbox + scoring + store) per family, image and video.
@@ -77,7 +78,8 @@ def perf_eval(
                         hint="pass --n-image N and/or --n-video N (N >= 1)")
     with err.status("measuring evaluation ..."):
         result = run_benchmark(n_image, n_video, size, max_new_tokens, max_turns, batch_size,
-                               model_dir=model, draft_tokens=draft_tokens, dtype=dtype)
+                               model_dir=model, draft_tokens=draft_tokens, dtype=dtype,
+                               threads=threads)
     if json_out:
         print_json(result)
     else:

@@ -51,6 +51,14 @@ class AgentConfig(Section):
     the ones greedy decoding picks, so answers change only where float rounding flips a
     near-tie. 0: one token a pass. Sampled turns (rollouts) are unaffected."""
 
+    cpu_threads: int = Field(1, ge=0, le=1024)
+    """torch CPU threads while an in-process policy (`eval.engine: hf`, the local RL engine's
+    rollouts) generates on the CPU; 0: leave torch's setting (one per core). The model's code
+    runs in the sandboxes on the same cores meanwhile, and torch's idle threads spin between
+    its operations on the cores the sandboxes need: 64 evaluation samples on two cores ran at
+    5.4-5.8 samples/s with one thread against 4.4-4.6 with two (`pyvision perf eval`), with the
+    same trajectories. Training keeps its own setting (`rl.local.threads`)."""
+
     on_error: Literal["feedback", "terminate"] = "feedback"
     """`feedback`: a failing code block's traceback goes back to the model inside
     `<interpreter>`; `terminate`: the trajectory ends with `tool_error` (the original code's

@@ -3,6 +3,8 @@ same way for the local RL engine, the HF policy and the benchmarks."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 
@@ -39,6 +41,22 @@ def synchronize(model: Any) -> None:
     device = next(model.parameters()).device
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+@contextlib.contextmanager
+def cpu_threads(n: int) -> Iterator[None]:
+    """torch's CPU threads set to ``n`` inside the block and restored after it (0: unchanged)."""
+    import torch
+
+    before = torch.get_num_threads()
+    if not n or n == before:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def free_memory_bytes(device: str) -> int | None:

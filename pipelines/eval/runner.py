@@ -133,9 +133,9 @@ def check_endpoint(url: str, timeout_s: float = 10.0, *, what: str = "model serv
 # with other values must not be mixed with these under one run id.
 _ROLLOUT_ONLY = {"agent.max_turns_train", "agent.temperature", "agent.top_p",
                  "sandbox.isolation"}
-# Keys that change how fast samples are made, and their float rounding as `eval.batch_size`
-# does, not what is evaluated: a run may be resumed with another value.
-_SPEED_ONLY = {"agent.draft_tokens"}
+# Keys that change how fast samples are made, and at most their float rounding as
+# `eval.batch_size` does, not what is evaluated: a run may be resumed with another value.
+_SPEED_ONLY = {"agent.draft_tokens", "agent.cpu_threads"}
 
 
 def eval_settings(config: Mapping[str, Any]) -> dict[str, Any]:

@@ -81,12 +81,14 @@ def _cpu(process_s: float, tree_end: float | None, tree_start: float | None, n: 
 def run_benchmark(n_image: int = 8, n_video: int = 4, size: str = "nano",
                   max_new_tokens: int = 64, max_turns: int = 4, batch_size: int = 8,
                   model_dir: str | Path | None = None, draft_tokens: int | None = None,
-                  dtype: str = "float32", workdir: str | Path | None = None) -> dict[str, Any]:
+                  dtype: str = "float32", workdir: str | Path | None = None,
+                  threads: int | None = None) -> dict[str, Any]:
     """Measure evaluation throughput on this machine; returns the JSON the CLI prints.
 
     ``model_dir`` measures that model (e.g. the demo's trained one) instead of a fresh tiny one;
     ``draft_tokens`` overrides ``agent.draft_tokens`` (0: one token a forward pass); ``dtype``
-    is the model's precision (``model.dtype``).
+    is the model's precision (``model.dtype``); ``threads`` overrides ``agent.cpu_threads`` (0:
+    torch's default, one per core).
     """
     import torch
 
@@ -120,13 +122,15 @@ def run_benchmark(n_image: int = 8, n_video: int = 4, size: str = "nano",
         recipe = load_recipe(None, [
             f"agent.max_new_tokens_per_turn={max_new_tokens}", f"agent.max_turns_eval={max_turns}",
             f"eval.batch_size={batch_size}", "model.device=cpu", f"model.dtype={dtype}",
-            *([f"agent.draft_tokens={draft_tokens}"] if draft_tokens is not None else [])])
+            *([f"agent.draft_tokens={draft_tokens}"] if draft_tokens is not None else []),
+            *([f"agent.cpu_threads={threads}"] if threads is not None else [])])
         store = Store(root / "perf.duckdb")
         t = time.monotonic()
         model = HFPolicy.from_pretrained(str(model_path), device="cpu", dtype=recipe.model.dtype,
                                          image_min_pixels=recipe.agent.image_min_pixels,
                                          image_max_pixels=recipe.agent.image_max_pixels,
-                                         draft_tokens=recipe.agent.draft_tokens)
+                                         draft_tokens=recipe.agent.draft_tokens,
+                                         threads=recipe.agent.cpu_threads)
         load_s = time.monotonic() - t
         # The sandbox zygote starts once per process (about 0.7 s of CPU): started here, like
         # the model's loading, so that the first row timed does not pay for it.
@@ -162,7 +166,8 @@ def run_benchmark(n_image: int = 8, n_video: int = 4, size: str = "nano",
                   "build_s": round(build_s, 3), "load_s": round(load_s, 3)},
         "settings": {"max_new_tokens_per_turn": max_new_tokens, "max_turns": max_turns,
                      "batch_size": batch_size, "draft_tokens": recipe.agent.draft_tokens,
-                     "torch_threads": torch.get_num_threads(),
+                     # what generation ran with (agent.cpu_threads, else torch's own)
+                     "torch_threads": recipe.agent.cpu_threads or torch.get_num_threads(),
                      "cpus": cpus},
         "families": out,
     }

@@ -231,7 +231,8 @@ class LocalEngine:
         self.policy = HFPolicy(model, processor, image_min_pixels=recipe.agent.image_min_pixels,
                                image_max_pixels=recipe.agent.image_max_pixels,
                                image_factor=recipe.agent.image_factor,
-                               draft_tokens=recipe.agent.draft_tokens)
+                               draft_tokens=recipe.agent.draft_tokens,
+                               threads=recipe.agent.cpu_threads)
         self.n_draw = math.ceil(rl.strategy.oversample_factor * rl.prompts_per_step)
         # LoRA: rollouts run on merged weights (rl.lora.merge_for_rollout).
         merged = MergedAdapters(model) if rl.lora.enabled and rl.lora.merge_for_rollout else None

@@ -48,7 +48,7 @@ class HFPolicy:
 
     def __init__(self, model: Any, processor: Any, *, image_min_pixels: int = 3136,
                  image_max_pixels: int = 2_000_000, image_factor: int = 28,
-                 reuse_cache: bool = True, draft_tokens: int = 0) -> None:
+                 reuse_cache: bool = True, draft_tokens: int = 0, threads: int = 0) -> None:
         self.model = model
         self.processor = processor
         self.tokenizer = processor.tokenizer
@@ -80,11 +80,14 @@ class HFPolicy:
         # per forward pass (``drafts.py``); 0: one token a pass.
         self.draft_tokens = draft_tokens
         self.drafts = NgramDrafts()
+        # torch CPU threads while generating on the CPU (``agent.cpu_threads``; 0: torch's).
+        self.threads = threads
 
     @classmethod
     def from_pretrained(cls, path: str, *, device: str = "auto", dtype: str = "auto",
                         image_min_pixels: int = 3136, image_max_pixels: int = 2_000_000,
-                        image_factor: int = 28, draft_tokens: int = 0) -> HFPolicy:
+                        image_factor: int = 28, draft_tokens: int = 0,
+                        threads: int = 0) -> HFPolicy:
         from transformers import AutoModelForImageTextToText, AutoProcessor
 
         from pipelines.core.device import resolve_device, torch_dtype
@@ -104,7 +107,7 @@ class HFPolicy:
         model.to(device).eval()
         return cls(model, processor, image_min_pixels=image_min_pixels,
                    image_max_pixels=image_max_pixels, image_factor=image_factor,
-                   draft_tokens=draft_tokens)
+                   draft_tokens=draft_tokens, threads=threads)
 
     # -- episode state (ChatTokens) --------------------------------------------------------------
 
@@ -132,11 +135,14 @@ class HFPolicy:
                  on_done: Callable[[int, Generation], None] | None = None) -> list[Generation]:
         import torch
 
+        from pipelines.core.device import cpu_threads
+
         # Inference mode, not only no_grad: the same kernels (the same logits, bit for bit)
         # without autograd's per-op bookkeeping, which a small model's decode step pays for in
         # every one of its ~200 ops. The KV states kept between turns are then inference
         # tensors, only ever read or copied here.
-        with torch.inference_mode():
+        on_cpu = next(self.model.parameters()).device.type == "cpu"
+        with torch.inference_mode(), cpu_threads(self.threads if on_cpu else 0):
             return self._generate(handles, sampling, on_done)
 
     def _generate(self, handles: list[TokenContext], sampling: Sampling,

@@ -235,3 +235,36 @@ def test_processor_kwarg_checks_are_remembered_and_bad_ones_still_raise(policy):
     assert len(tokens._CHECKED) == seen  # the same arguments: nothing new to check
     with pytest.raises(Exception, match="min_pixels"):
         policy.processor(text=["x"], images=[img], min_pixels="many", return_tensors="pt")
+
+
+def test_generation_runs_at_the_policys_cpu_threads_with_the_same_tokens(policy):
+    """``agent.cpu_threads``: torch runs the turn at the policy's thread count (seen from inside
+    the batch, as each row finishes), is back at its own count afterwards, also when generation
+    raises, and the tokens are those made at torch's own count."""
+    from pipelines.agent.policies.drafts import NgramDrafts
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    runs = {}
+    try:
+        for threads in (0, 1):
+            policy.threads, policy.drafts = threads, NgramDrafts()
+            seen: list[int] = []
+            handles = _handles(policy, True)
+            policy.generate(handles, Sampling(24, 0.0, 1.0),
+                            on_done=lambda i, g, seen=seen: seen.append(torch.get_num_threads()))
+            runs[threads] = [h.ids for h in handles]
+            assert seen == [2 if threads == 0 else 1] * len(QUESTIONS)
+            assert torch.get_num_threads() == 2
+        assert runs[1] == runs[0]
+
+        def fail(i, g):
+            raise RuntimeError("a callback that fails")
+
+        policy.threads = 1
+        with pytest.raises(RuntimeError, match="fails"):
+            policy.generate(_handles(policy, False), Sampling(8, 0.0, 1.0), on_done=fail)
+        assert torch.get_num_threads() == 2
+    finally:
+        policy.threads = 0
+        torch.set_num_threads(before)

@@ -20,6 +20,7 @@ def test_perf_eval_json_shape(tiny_model_dir: Path) -> None:
     assert data["model"]["path"] == str(tiny_model_dir) and data["model"]["parameters"] > 0
     assert data["settings"]["max_new_tokens_per_turn"] == 8
     assert data["settings"]["draft_tokens"] == 8  # agent.draft_tokens' default
+    assert data["settings"]["torch_threads"] == 1  # agent.cpu_threads' default
     assert data["model"]["dtype"] == "float32"
     families = data["families"]
     assert {f: row["benchmark"] for f, row in families.items()} == {
@@ -55,10 +56,11 @@ def test_perf_eval_draft_tokens_zero_drafts_nothing_and_dtype_loads(tiny_model_d
     result = CliRunner().invoke(app, ["eval", "--json", "--model", str(tiny_model_dir),
                                       "--n-image", "2", "--n-video", "0", "--max-new-tokens", "8",
                                       "--max-turns", "2", "--draft-tokens", "0",
-                                      "--dtype", "bfloat16"])
+                                      "--dtype", "bfloat16", "--threads", "2"])
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert data["settings"]["draft_tokens"] == 0
+    assert data["settings"]["torch_threads"] == 2
     assert data["model"]["dtype"] == "bfloat16"  # the model measured is the one asked for
     work = data["families"]["image"]["model"]["work"]
     assert work["draft_tokens"] == work["draft_kept"] == 0 and work["decode_steps"] > 0
