@@ -25,8 +25,8 @@ class UserError(Exception):
 
     def one_line(self) -> str:
         text = self.message.rstrip(". ")
-        if self.hint:
-            text += f". Fix: {self.hint.rstrip('. ')}"
+        if self.hint:  # a message ending in a question ("did you mean ...?") keeps its mark
+            text += (" " if text.endswith(("?", "!")) else ". ") + f"Fix: {self.hint.rstrip('. ')}"
         text = text.replace("\n", " ")
         return text if text.endswith(("?", "!")) else text + "."
 

@@ -102,6 +102,8 @@ def test_unknown_key_names_key_and_closest(tmp_path):
         load_recipe(bad)
     msg = str(exc.value)
     assert "rl.lerning_rate" in msg and "rl.learning_rate" in msg and str(bad) in msg
+    # The one-line form keeps the question a question: "...'rl.learning_rate'? Fix: ...".
+    assert "'rl.learning_rate'? Fix: rename or remove the key." in exc.value.one_line()
 
 
 def test_unknown_key_from_set_override():
