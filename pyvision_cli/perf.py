@@ -102,7 +102,7 @@ def perf_rl(
     prompts: Annotated[int, typer.Option(help="Prompts per round.", min=1)] = 4,
     n: Annotated[int, typer.Option(help="Rollouts per prompt.", min=2)] = 4,
     rounds: Annotated[int, typer.Option(help="Measured rounds (after one warm-up round).", min=1)] = 2,
-    threads: Annotated[int, typer.Option(help="torch CPU threads (1 is fastest for tiny models on a busy CPU).", min=1)] = 1,
+    threads: Annotated[int, typer.Option(help="torch CPU threads for the rollouts and the updates (agent.cpu_threads and rl.local.threads; 1 is fastest for tiny models on a busy CPU).", min=1)] = 1,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens per assistant turn.", min=8)] = 128,
     device: Annotated[Literal["auto", "cpu", "cuda"], typer.Option(help="Where the model runs (auto: cuda when torch sees a GPU).")] = "auto",
     dtype: Annotated[Literal["auto", "float32", "bfloat16"], typer.Option(help="Weights' dtype (auto: bf16 on a GPU, fp32 on CPU).")] = "auto",

@@ -52,7 +52,8 @@ def run_benchmark(*, model: str | None = None, size: str = "small", tasks: str |
         f"rl.prompts_per_step={prompts}", f"rl.n={n}", f"rl.mini_batch_prompts={prompts}",
         "rl.strategy.oversample_factor=1", "rl.strategy.filter_zero_variance=false",
         "rl.strategy.filter_broken=false", "rl.local.ppo_epochs=1",
-        f"rl.local.threads={threads}", f"agent.max_new_tokens_per_turn={max_new_tokens}",
+        f"rl.local.threads={threads}", f"agent.cpu_threads={threads}",
+        f"agent.max_new_tokens_per_turn={max_new_tokens}",
         f"agent.image_max_pixels={image_max_pixels}", "reward.judge.base_url=null",
         *overrides])
     # Given prompts are read (and refused) before minutes of model building.

@@ -447,6 +447,24 @@ def test_perf_rl_lora_trains_only_the_adapters(tiny_model_dir, rl_tasks):
     assert data["update"]["sequences"] == 4 and "gpu" not in data
 
 
+def test_perf_rl_threads_are_the_rollouts_threads_too(tiny_model_dir, rl_tasks, monkeypatch):
+    """`perf rl --threads N` sets the updates' threads and the rollouts' (agent.cpu_threads)."""
+    from pipelines.core import device
+    from pipelines.perf.rl import run_benchmark
+
+    asked: list[int] = []
+    real = device.cpu_threads
+
+    def spy(n):
+        asked.append(n)
+        return real(n)
+
+    monkeypatch.setattr(device, "cpu_threads", spy)
+    data = run_benchmark(model=str(tiny_model_dir), tasks=str(rl_tasks), prompts=2, n=2,
+                         rounds=1, max_new_tokens=8, threads=2)
+    assert data["threads"] == 2 and asked and set(asked) == {2}
+
+
 def test_perf_rl_set_overrides_reach_the_recipe(tiny_model_dir, rl_tasks):
     from typer.testing import CliRunner
 
