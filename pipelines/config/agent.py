@@ -55,9 +55,10 @@ class AgentConfig(Section):
     """torch CPU threads while an in-process policy (`eval.engine: hf`, the local RL engine's
     rollouts) generates on the CPU; 0: leave torch's setting (one per core). The model's code
     runs in the sandboxes on the same cores meanwhile, and torch's idle threads spin between
-    its operations on the cores the sandboxes need: 64 evaluation samples on two cores ran at
-    5.4-5.8 samples/s with one thread against 4.4-4.6 with two (`pyvision perf eval`), with the
-    same trajectories. Training keeps its own setting (`rl.local.threads`)."""
+    its operations on the cores the sandboxes need: 64 evaluation samples on two cores took
+    11.8-13.1 s with one thread against 13.3-14.5 s with two (`pyvision perf eval`, alternated),
+    with the same trajectories. It covers generation and the processor's encoding of each turn.
+    Training keeps its own setting (`rl.local.threads`)."""
 
     on_error: Literal["feedback", "terminate"] = "feedback"
     """`feedback`: a failing code block's traceback goes back to the model inside

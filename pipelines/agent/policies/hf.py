@@ -112,10 +112,12 @@ class HFPolicy:
     # -- episode state (ChatTokens) --------------------------------------------------------------
 
     def begin(self, messages: list[dict]) -> TokenContext:
-        return self.tokens.begin(messages)
+        with self._cpu_threads():  # the processor's tensor work
+            return self.tokens.begin(messages)
 
     def observe(self, handle: TokenContext, parts: list[dict], images: list[Any]) -> None:
-        self.tokens.observe(handle, parts, images)
+        with self._cpu_threads():
+            self.tokens.observe(handle, parts, images)
 
     def context_tokens(self, handle: TokenContext) -> int:
         return self.tokens.context_tokens(handle)
@@ -135,15 +137,22 @@ class HFPolicy:
                  on_done: Callable[[int, Generation], None] | None = None) -> list[Generation]:
         import torch
 
-        from pipelines.core.device import cpu_threads
-
         # Inference mode, not only no_grad: the same kernels (the same logits, bit for bit)
         # without autograd's per-op bookkeeping, which a small model's decode step pays for in
         # every one of its ~200 ops. The KV states kept between turns are then inference
         # tensors, only ever read or copied here.
-        on_cpu = next(self.model.parameters()).device.type == "cpu"
-        with torch.inference_mode(), cpu_threads(self.threads if on_cpu else 0):
+        with torch.inference_mode(), self._cpu_threads():
             return self._generate(handles, sampling, on_done)
+
+    def _cpu_threads(self) -> Any:
+        """torch at ``self.threads`` CPU threads for one call that computes (generating, and the
+        processor encoding a turn), when the model is on the CPU; restored after it. Every
+        such call, not only generation: a tensor op at torch's default between two turns leaves
+        its idle OpenMP thread spinning on a core the sandboxes use."""
+        from pipelines.core.device import cpu_threads
+
+        on_cpu = next(self.model.parameters()).device.type == "cpu"
+        return cpu_threads(self.threads if on_cpu else 0)
 
     def _generate(self, handles: list[TokenContext], sampling: Sampling,
                   on_done: Callable[[int, Generation], None] | None) -> list[Generation]:

@@ -237,12 +237,21 @@ def test_processor_kwarg_checks_are_remembered_and_bad_ones_still_raise(policy):
         policy.processor(text=["x"], images=[img], min_pixels="many", return_tensors="pt")
 
 
-def test_generation_runs_at_the_policys_cpu_threads_with_the_same_tokens(policy):
+def test_generation_runs_at_the_policys_cpu_threads_with_the_same_tokens(policy, monkeypatch):
     """``agent.cpu_threads``: torch runs the turn at the policy's thread count (seen from inside
-    the batch, as each row finishes), is back at its own count afterwards, also when generation
-    raises, and the tokens are those made at torch's own count."""
+    the batch, as each row finishes), and so does the processor encoding a prompt; it is back at
+    its own count afterwards, also when generation raises, and the tokens are those made at
+    torch's own count."""
     from pipelines.agent.policies.drafts import NgramDrafts
 
+    encoding: list[int] = []
+    real_begin = policy.tokens.begin
+
+    def begin(messages):
+        encoding.append(torch.get_num_threads())
+        return real_begin(messages)
+
+    monkeypatch.setattr(policy.tokens, "begin", begin)
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     runs = {}
@@ -250,11 +259,12 @@ def test_generation_runs_at_the_policys_cpu_threads_with_the_same_tokens(policy)
         for threads in (0, 1):
             policy.threads, policy.drafts = threads, NgramDrafts()
             seen: list[int] = []
+            encoding.clear()
             handles = _handles(policy, True)
             policy.generate(handles, Sampling(24, 0.0, 1.0),
                             on_done=lambda i, g, seen=seen: seen.append(torch.get_num_threads()))
             runs[threads] = [h.ids for h in handles]
-            assert seen == [2 if threads == 0 else 1] * len(QUESTIONS)
+            assert seen == encoding == [2 if threads == 0 else 1] * len(QUESTIONS)
             assert torch.get_num_threads() == 2
         assert runs[1] == runs[0]
 
