@@ -80,7 +80,8 @@ class HFPolicy:
         # per forward pass (``drafts.py``); 0: one token a pass.
         self.draft_tokens = draft_tokens
         self.drafts = NgramDrafts()
-        # torch CPU threads while generating on the CPU (``agent.cpu_threads``; 0: torch's).
+        # torch CPU threads while generating or encoding on the CPU (``agent.cpu_threads``; 0:
+        # torch's own), see ``_cpu_threads``.
         self.threads = threads
 
     @classmethod
