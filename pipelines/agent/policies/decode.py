@@ -52,6 +52,9 @@ cache, masked (closed by :func:`_close_holes` once there are more than ``_HOLES`
 row that stops inside its draft keeps what it would have kept without one. The logits of a pass
 over several tokens differ from single steps by float rounding, so the tokens are greedy's
 except where rounding flips a near-tie (on the demo's held-out sets: none; docs/tiny-recipe.md).
+Rows' drafts differ in length, so the pass is padded to the longest; only the real positions go
+through the weights (packed, :meth:`_LeanStep.verify`), the attention alone sees the padding. On
+the demo's evaluation (64 image tasks) 17.9k of 20.1k positions.
 
 A second temperature can apply inside code (``code_temperature``, Thyme's idea): a row samples at
 ``code_temperature`` from the token after its turn has opened a ``<code>`` block (``opens_code``
@@ -217,17 +220,22 @@ def _decode_attention(module: Any, query: Any, key: Any, value: Any, attention_m
 
 
 def _draft_attention(module: Any, query: Any, key: Any, value: Any, mask: Any,
-                     scaling: float | None = None, **kwargs: Any) -> tuple[Any, None]:
+                     scaling: float | None = None, hidden: Any = None,
+                     **kwargs: Any) -> tuple[Any, None]:
     """:func:`_decode_attention` for ``T`` queries a row (a token and its draft): grouped KV
-    heads without copies, ``mask`` ``[b, 1, T, L]`` boolean."""
+    heads without copies, ``mask`` ``[b, 1, T, L]`` boolean; ``hidden`` is ``~mask[:, :, None]``
+    when the caller has it already (one pass's layers share it). The scores are scaled and
+    masked in place: the same values as new tensors would hold, without allocating them."""
     import torch
 
     b, heads, t, d = query.shape
     kv_heads = key.shape[1]
     groups = heads // kv_heads
     q = query.reshape(b, kv_heads, groups * t, d)
-    scores = torch.matmul(q, key.transpose(-1, -2)) * (scaling if scaling is not None else d ** -0.5)
-    scores = scores.view(b, kv_heads, groups, t, -1).masked_fill(~mask[:, :, None], float("-inf"))
+    scores = torch.matmul(q, key.transpose(-1, -2)).mul_(
+        scaling if scaling is not None else d ** -0.5)
+    scores = scores.view(b, kv_heads, groups, t, -1).masked_fill_(
+        ~mask[:, :, None] if hidden is None else hidden, float("-inf"))
     probs = torch.softmax(scores.float(), dim=-1).to(value.dtype).view(b, kv_heads, groups * t, -1)
     out = torch.matmul(probs, value)  # [b, kv_heads, groups * t, d]
     return out.view(b, heads, t, d).transpose(1, 2), None
@@ -319,44 +327,80 @@ class _LeanStep:
         h = self._layers(tok[:, None], positions, mask, layers, _decode_attention)
         return linear(h[:, -1], self.head)
 
-    def verify(self, toks: Any, positions: Any, mask: Any, layers: list[Any]) -> Any:
-        """Logits ``[B, T, V]`` after each of ``toks`` (``[B, T]``: a row's next token and its
-        draft) at ``positions`` (``[3, B, T]``); ``mask`` ``[B, 1, T, L]`` boolean (the cache's
-        padding, then causal over the ``T`` new tokens). The same ops as :meth:`__call__` with
-        ``T`` queries a row: the logits agree with ``T`` single steps to float rounding (the
-        matrix products group their sums by shape), not bit for bit."""
+    def verify(self, toks: Any, positions: Any, mask: Any, layers: list[Any],
+               real: Any = None) -> Any:
+        """Logits after each of ``toks`` (``[B, T]``: a row's next token and its draft) at
+        ``positions`` (``[3, B, T]``); ``mask`` ``[B, 1, T, L]`` boolean (the cache's padding,
+        then causal over the ``T`` new tokens). The same ops as :meth:`__call__` with ``T``
+        queries a row: the logits agree with ``T`` single steps to float rounding (the matrix
+        products group their sums by shape), not bit for bit.
+
+        ``real`` (``[B, T]`` boolean: the fed positions that are not padding) packs the batch:
+        every matrix product with a weight runs over the real positions only (the attention
+        still sees the padded layout, padding as zero keys and values, masked), and the logits
+        come back ``[N, V]``, the real positions in row-major order. On one CPU thread (the
+        default ``agent.cpu_threads``) a row's logits do not change: a product's rows do not
+        depend on how many rows it has, from four on (fewer runs unpacked). Elsewhere (threads
+        split a product's rows by its shape, a GPU picks kernels by shape) they move by float
+        rounding, as the drafts already make them. Without it, ``[B, T, V]``."""
+        import functools
+
         from torch.nn.functional import linear
 
-        return linear(self._layers(toks, positions, mask, layers, _draft_attention), self.head)
+        attention = functools.partial(_draft_attention, hidden=~mask[:, :, None])
+        if real is not None and int(real.sum()) < _MIN_PACKED:
+            return linear(self._layers(toks, positions, mask, layers, attention), self.head)[real]
+        return linear(self._layers(toks, positions, mask, layers, attention, real), self.head)
 
     def _layers(self, ids: Any, positions: Any, mask: Any, layers: list[Any],
-                attention: Callable[..., Any]) -> Any:
+                attention: Callable[..., Any], real: Any = None) -> Any:
+        """The decoder over ``ids`` (``[B, T]``): the final hidden states ``[B, T, H]``, or
+        ``[N, H]`` for the positions ``real`` marks (:meth:`verify`)."""
         import torch
         from torch.nn.functional import embedding, linear
 
-        h = embedding(ids, self.embed)
-        b, t = h.shape[0], h.shape[1]
-        cos, sin = self.rotary(h, positions)  # [3, B, 1, D]
+        b, t = ids.shape
+        cos, sin = self.rotary(self.embed, positions)  # [3, B, T, D] (the weight: its dtype)
         cos = torch.cat([c[i % 3] for i, c in enumerate(cos.split(self.sections, dim=-1))],
                         dim=-1).unsqueeze(1)
         sin = torch.cat([c[i % 3] for i, c in enumerate(sin.split(self.sections, dim=-1))],
                         dim=-1).unsqueeze(1)
+        if real is None:
+            h = embedding(ids, self.embed)
+        else:  # packed: [N, H]; ``where`` scatters [N, ...] back into [B * T, ...] for attention
+            where = real.reshape(-1).nonzero()[:, 0]
+            h = embedding(ids.reshape(-1)[where], self.embed)
+
+        def padded(x: Any) -> Any:  # [N, n] -> [B, T, n], zero at the padding
+            if real is None:
+                return x
+            full = x.new_zeros((b * t, x.shape[-1]))
+            full.index_copy_(0, where, x)
+            return full.view(b, t, -1)
+
         for cache, (in_w, in_eps, qw, qb, kw, kb, vw, vb, ow, hd, scaling, post_w, post_eps,
                     gw, uw, dw, act) in zip(layers, self.layers):
             residual = h
             x = self._rms(h, in_w, in_eps)
-            q = linear(x, qw, qb).view(b, t, -1, hd).transpose(1, 2)
-            k = linear(x, kw, kb).view(b, t, -1, hd).transpose(1, 2)
-            v = linear(x, vw, vb).view(b, t, -1, hd).transpose(1, 2)
+            q = padded(linear(x, qw, qb)).view(b, t, -1, hd).transpose(1, 2)
+            k = padded(linear(x, kw, kb)).view(b, t, -1, hd).transpose(1, 2)
+            v = padded(linear(x, vw, vb)).view(b, t, -1, hd).transpose(1, 2)
             q = (q * cos) + (_rotate_half(q) * sin)
             k = (k * cos) + (_rotate_half(k) * sin)
             k, v = cache.update(k, v)
             out, _ = attention(None, q, k, v, mask, scaling=scaling)
-            h = residual + linear(out.reshape(b, t, -1).contiguous(), ow)
+            out = out.reshape(b, t, -1).contiguous()
+            h = residual + linear(out if real is None else out.view(b * t, -1)[where], ow)
             residual = h
             x = self._rms(h, post_w, post_eps)
             h = residual + linear(act(linear(x, gw)) * linear(x, uw), dw)
         return self._rms(h, *self.norm)
+
+
+# Packed products need at least this many rows to give each row what the padded batch gives it
+# on one CPU thread (MKL multiplies one to three rows with another kernel, which rounds
+# differently; measured on this project's model shapes).
+_MIN_PACKED = 4
 
 
 def _rotate_half(x: Any) -> Any:
@@ -640,18 +684,24 @@ def _verify(step: _LeanStep, rows: list[Row], live: list[int], tok: Any,
     causal = span[None, :] <= span[:, None]  # [T, T]: a token sees itself and those before
     mask = torch.cat([attn[:, None, None, :].bool().expand(b, 1, width + 1, attn.shape[1]),
                       causal[None, None].expand(b, 1, -1, -1)], dim=-1)
-    logits = step.verify(feed, nxt[:, :, None] + span, mask, cache.layers).float()
-    choice = _suppressed(logits, suppress_t).argmax(-1).tolist()  # [b, T]: greedy's token after each fed one
-    logp = torch.log_softmax(logits, dim=-1)
+    # Only the real positions (each row's token and its own draft) go through the weights.
+    sizes = [1 + len(d) for d in proposals]
+    real = span[None, :] < torch.tensor(sizes, device=tok.device)[:, None]
+    logits = step.verify(feed, nxt[:, :, None] + span, mask, cache.layers, real).float()
+    choice = _suppressed(logits, suppress_t).argmax(-1).tolist()  # greedy's token after each fed one
+    logp = torch.log_softmax(logits, dim=-1)  # [N, V]: row j's position q at start[j] + q
+    start = [0]
+    for n in sizes[:-1]:
+        start.append(start[-1] + n)
     fed = []  # per row: its fed tokens that stay (the next token and the agreed draft)
     accepted = 0
     for j, (r, d) in enumerate(zip(live, proposals)):
         row, n = rows[r], 1
         for q, t in enumerate(d):
-            if choice[j][q] != t:
+            if choice[start[j] + q] != t:
                 break
             row.tokens.append(t)
-            row.logprobs.append(float(logp[j, q, t]))
+            row.logprobs.append(float(logp[start[j] + q, t]))
             row.temperatures.append(0.0)
             accepted += 1
             if t in eos or stops(row.tokens):
@@ -667,7 +717,7 @@ def _verify(step: _LeanStep, rows: list[Row], live: list[int], tok: Any,
     count["decode_keys"] += attn.numel()
     count["draft_tokens"] += sum(map(len, proposals))
     count["draft_kept"] += accepted
-    last = logits[torch.arange(b, device=logits.device), kept - 1]
+    last = logits[torch.tensor(start, device=logits.device) + kept - 1]
     return attn, nxt + kept[None], last
 
 

@@ -150,3 +150,47 @@ def test_sampled_turns_ignore_the_drafts(policy, sessions):
     good = _learnt(ids for ids, _ in plain)
     _, stats = _session(policy, 8, good, sampling_t=0.7)
     assert stats.get("draft_tokens", 0) == 0
+
+
+@pytest.mark.parametrize("sizes", [[9, 3, 1, 6, 9, 2], [2, 1], [1, 1, 1, 4]])
+def test_a_packed_pass_gives_each_real_position_the_padded_pass_s_logits(policy, sizes):
+    """Only each row's token and its own draft go through the weights (``real``): at one CPU
+    thread (``agent.cpu_threads``' default) the logits of those positions are the padded pass's,
+    bit for bit, whatever the batch's shape (a pass with fewer than four real positions runs
+    padded)."""
+    from pipelines.agent.policies import decode
+    from pipelines.core.device import cpu_threads
+
+    step = decode.lean_step(policy.model)
+    b, t, past = len(sizes), max(sizes), 37
+    gen = torch.Generator().manual_seed(0)
+    heads, dim = policy.model.config.text_config.num_key_value_heads, \
+        policy.model.config.text_config.hidden_size // policy.model.config.text_config.num_attention_heads
+    states = [(torch.randn(b, heads, past + 64, dim, generator=gen),
+               torch.randn(b, heads, past + 64, dim, generator=gen))
+              for _ in policy.model.model.language_model.layers]
+
+    def cache():
+        c = decode._growing_cache(policy.model)
+        for layer, (k, v) in zip(c.layers, states):
+            layer.preset(k.clone(), v.clone(), past)
+        return c.layers
+
+    span = torch.arange(t)
+    real = span[None] < torch.tensor(sizes)[:, None]
+    feed = torch.randint(10, 200, (b, t), generator=gen) * real
+    positions = (torch.arange(past, past + t)[None, None].expand(3, b, t)).clone()
+    held = torch.ones(b, past, dtype=torch.bool)
+    held[1, :5] = False  # one row left-padded
+    mask = torch.cat([held[:, None, None, :].expand(b, 1, t, past),
+                      (span[None, :] <= span[:, None])[None, None].expand(b, 1, -1, -1)], -1)
+    with torch.inference_mode(), cpu_threads(1):
+        padded = step.verify(feed, positions, mask, cache())
+        packed = step.verify(feed, positions, mask, cache(), real)
+    assert packed.shape == (sum(sizes), padded.shape[-1])
+    assert torch.equal(packed, padded[real])
+    # At several threads a product's rows are split between them by its shape, so the packed
+    # pass rounds differently: float rounding, as for drafts (the tokens chosen do not move).
+    with torch.inference_mode(), cpu_threads(2):
+        packed = step.verify(feed, positions, mask, cache(), real)
+    assert torch.allclose(packed, padded[real], atol=1e-3, rtol=0)
