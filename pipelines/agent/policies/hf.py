@@ -38,6 +38,7 @@ class _Cached:
     layers: list[tuple[Any, Any]]     # per layer (keys, values), [heads, len(ids), dim]
     weights: tuple | None             # HFPolicy._weights() when they were computed
     n_image_tokens: int               # image pad tokens among ``ids``
+    next_position: int                # the (m)RoPE position of the token after ``ids``
 
 
 class HFPolicy:
@@ -174,26 +175,31 @@ class HFPolicy:
             attn[i, longest - len(h.ids):] = 1
         ids, attn = ids.to(device), attn.to(device)
         full = ids
-        grids = [g for h in handles for g in h.grids]
-        # Positions over every row's whole context, cached part included.
-        positions = initial_positions(self.model, ids, attn, {
-            "image_grid_thw": torch.cat(grids).to(device),
-            "mm_token_type_ids": mm_token_type_ids(ids, self.model.config).to(device)}
-            if grids else {})
         # What goes through the model now: each row's tokens after its cached prefix (all of
         # them for a row without one), still left-padded, and the pixels of their images.
         width = max(n - c for n, (c, _) in zip(before, starts))
-        ids, attn, positions = (ids[:, longest - width:].clone(), attn[:, longest - width:].clone(),
-                                positions[:, :, longest - width:])
+        ids, attn = ids[:, longest - width:].clone(), attn[:, longest - width:].clone()
         for i, (n, (c, _)) in enumerate(zip(before, starts)):
             ids[i, : width - (n - c)] = self.pad_id
             attn[i, : width - (n - c)] = 0
+        new_grids = [g for h, (_, k) in zip(handles, starts) for g in h.grids[k:]]
+        # Their positions in the whole context: (m)RoPE numbers a context's pieces in order, each
+        # from where the one before it ended, so the new tokens' positions are the ones they
+        # get on their own, moved on by where the cached prefix ended.
+        positions = initial_positions(self.model, ids, attn, {
+            "image_grid_thw": torch.cat(new_grids).to(device),
+            "mm_token_type_ids": mm_token_type_ids(ids, self.model.config).to(device)}
+            if new_grids else {})
+        shift = torch.tensor([h.kv.next_position if c else 0
+                              for h, (c, _) in zip(handles, starts)], device=device)
+        positions = positions + shift[None, :, None] * attn[None]
+        # The position after each row's context: its first generated token's.
+        after = (positions[:, :, -1].max(0).values + 1).tolist()
         kwargs: dict[str, Any] = {}
         pix = [p for h, (_, k) in zip(handles, starts) for p in h.pixel_values[k:]]
         if pix:
             kwargs["pixel_values"] = torch.cat(pix).to(device)
-            kwargs["image_grid_thw"] = torch.cat(
-                [g for h, (_, k) in zip(handles, starts) for g in h.grids[k:]]).to(device)
+            kwargs["image_grid_thw"] = torch.cat(new_grids).to(device)
         past = pad_past([h.kv.layers if c else None for h, (c, _) in zip(handles, starts)],
                         room=width + 64) if reuse else None
         for i, (c, _) in enumerate(starts):
@@ -211,8 +217,9 @@ class HFPolicy:
             h.kv = None
             if row.cache is not None and row.fed <= len(kept):
                 n = before[i] + row.fed  # the states cover the context and the fed tokens
+                # Generated tokens take one position each after the context's.
                 h.kv = _Cached(h.ids[:n], row.cache, weights,
-                               h.ids[:n].count(self.image_token_id))
+                               h.ids[:n].count(self.image_token_id), after[i] + row.fed)
             results[i] = Generation(text=text, finish=reason, n_tokens=len(kept))
             if on_done is not None:
                 on_done(i, results[i])

@@ -164,6 +164,45 @@ def test_new_rows_are_prefilled_apart_from_rows_that_continue_their_cache(sessio
     assert images[3] == 1 and sum(images[:3]) >= 1
 
 
+def test_positions_of_new_tokens_are_those_of_the_whole_context(policy, monkeypatch):
+    """A turn computes (m)RoPE positions for its new tokens only, moved on by where the cached
+    prefix ended: they must equal the whole context's, images among the new tokens included."""
+    from pipelines.agent.policies.tokens import mm_token_type_ids
+
+    seen = []
+    real = decode.decode_batch
+
+    def spy(model, ids, attn, vision, **kw):
+        seen.append((attn.clone(), kw["positions"].clone()))
+        return real(model, ids, attn, vision, **kw)
+
+    monkeypatch.setattr(decode, "decode_batch", spy)
+    handles = [_begin(policy, i) for i in range(3)]
+    try:
+        for turn in range(3):
+            contexts = [(list(h.ids), list(h.grids)) for h in handles]
+            policy.generate(handles, Sampling(6, 0.0, 1.0))
+            longest = max(len(ids) for ids, _ in contexts)
+            ids = torch.zeros((3, longest), dtype=torch.long)
+            attn = torch.zeros((3, longest), dtype=torch.long)
+            for i, (row, _) in enumerate(contexts):
+                ids[i, longest - len(row):] = torch.tensor(row)
+                attn[i, longest - len(row):] = 1
+            ref = decode.initial_positions(policy.model, ids, attn, {
+                "image_grid_thw": torch.cat([g for _, gs in contexts for g in gs]),
+                "mm_token_type_ids": mm_token_type_ids(ids, policy.model.config)})
+            new_attn, got = seen[-1]
+            width = new_attn.shape[1]
+            keep = new_attn.bool()[None].expand(3, -1, -1)
+            assert torch.equal(got[keep], ref[:, :, longest - width:][keep])
+            for i, h in enumerate(handles):
+                _observe(policy, h, turn, i)
+        assert policy.cache_stats["reused"] >= 6
+    finally:
+        for h in handles:
+            policy.end(h)
+
+
 def test_a_context_that_no_longer_starts_with_the_cached_tokens_is_prefilled_whole(policy):
     def two_turns(reuse: bool, edit: bool):
         policy.reuse_cache = reuse
