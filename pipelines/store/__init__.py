@@ -672,21 +672,56 @@ class Store:
 
 class EvalWriter:
     """Commits evaluated samples in small batches; ``flush()`` (always call it, in a ``finally``)
-    commits what is left. A sample is committed at most ``max_delay_s`` after it is added, so an
-    interrupted evaluation loses at most that much work and resumes from the rest."""
+    commits what is left. A sample goes to the store at most ``max_delay_s`` after it is added,
+    so an interrupted evaluation loses at most that much work and resumes from the rest.
+
+    Those batches are committed on a thread of their own, in order, while the evaluation goes
+    on: opening the store and committing (tens of milliseconds a batch) is off the evaluation's
+    path, and DuckDB does that work without holding the GIL. ``flush()`` waits for every batch
+    before it returns; a batch that failed raises there (or at the next ``add``), nothing is
+    dropped without an error."""
 
     def __init__(self, store: Store, max_delay_s: float) -> None:
         self.store, self.max_delay_s = store, max_delay_s
         self.pending: list[EvalRecord] = []
         self.since = 0.0
+        self._committer: Any = None  # a one-thread executor while batches are in flight
+        self._inflight: list[Any] = []  # their futures, oldest first
 
     def add(self, rec: EvalRecord) -> None:
+        self._raise_failed()
         if not self.pending:
             self.since = time.monotonic()
         self.pending.append(rec)
         if time.monotonic() - self.since >= self.max_delay_s:
-            self.flush()
+            records, self.pending = self.pending, []
+            if self._committer is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._committer = ThreadPoolExecutor(max_workers=1,
+                                                     thread_name_prefix="store-commit")
+            self._inflight.append(self._committer.submit(self.store.add_eval_records, records))
+
+    def _raise_failed(self) -> None:
+        """Raise the error of the oldest batch that failed, if one has."""
+        while self._inflight and self._inflight[0].done():
+            self._inflight.pop(0).result()
 
     def flush(self) -> None:
+        """Commit everything added so far; returns once it is all in the store. When a batch
+        failed, the ones after it are still committed, then its error is raised."""
+        error: BaseException | None = None
+        while self._inflight:
+            try:
+                self._inflight.pop(0).result()
+            except BaseException as exc:  # the first one is raised, once the rest are in
+                error = error or exc
+        if self._committer is not None:
+            self._committer.shutdown(wait=True)
+            self._committer = None
         records, self.pending = self.pending, []
-        self.store.add_eval_records(records)
+        try:
+            self.store.add_eval_records(records)
+        finally:
+            if error is not None:
+                raise error

@@ -111,11 +111,40 @@ def test_eval_writer_commits_in_batches_within_its_delay(tmp_path, monkeypatch):
     assert store.eval_sample_ids("r", "rl", "vstar") == set()  # both still within the delay
     clock[0] += 0.6
     writer.add(_record(sample_id="3"))  # the first is now 1.1 s old: all three commit together
+    assert writer.pending == [] and len(writer._inflight) == 1  # on the commit thread
+    writer._inflight[0].result()
     assert store.eval_sample_ids("r", "rl", "vstar") == {"1", "2", "3"}
     writer.add(_record(sample_id="4"))
     writer.flush()
     assert store.eval_sample_ids("r", "rl", "vstar") == {"1", "2", "3", "4"}
+    assert writer._committer is None  # no thread left behind
     writer.flush()  # nothing pending: a no-op
+
+
+def test_a_batch_that_fails_on_the_commit_thread_raises_after_the_rest_are_in(tmp_path,
+                                                                                monkeypatch):
+    store = Store(tmp_path / "s.duckdb")
+    real = store.add_eval_records
+
+    def flaky(records):
+        if any(r.sample_id == "2" for r in records):
+            raise OSError("disk full")
+        real(records)
+
+    monkeypatch.setattr(store, "add_eval_records", flaky)
+    writer = store.eval_writer(max_delay_s=0.0)  # every sample its own batch
+    raised = []
+    for i in range(1, 5):
+        try:
+            writer.add(_record(sample_id=str(i)))
+        except OSError as exc:  # an add sees the failed batch when it is already done
+            raised.append(str(exc))
+    try:
+        writer.flush()
+    except OSError as exc:
+        raised.append(str(exc))
+    assert raised == ["disk full"]  # once, by an add or by flush
+    assert store.eval_sample_ids("r", "rl", "vstar") == {"1", "3", "4"}
 
 
 def test_stored_samples_count_as_done_only_for_the_same_weights(tmp_path):
