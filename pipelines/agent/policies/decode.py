@@ -176,13 +176,20 @@ def _growing_layer_class() -> type:
             return (self.keys[j, :, : self.length][:, mask],
                     self.values[j, :, : self.length][:, mask])
 
-        def batch_select_indices(self, indices: Any, lead: int = 0) -> None:
-            """Keep the rows ``indices`` and drop the first ``lead`` positions (padding in
-            every row kept)."""
-            if self.get_seq_length() > 0:
-                self.keys = self.keys[indices, :, lead:]
-                self.values = self.values[indices, :, lead:]
-                self.length -= lead
+        def keep_rows(self, keep: list[int], lead: int = 0) -> None:
+            """Keep the rows ``keep`` (ascending) and drop the first ``lead`` positions
+            (padding in every row kept), in place: each kept row after the first one dropped
+            moves down (its filled positions only) and the buffers become views of their
+            first rows. Rows keep their order, so a sampled batch draws the same numbers."""
+            if self.get_seq_length() == 0:
+                return
+            for i, j in enumerate(keep):
+                if i != j:
+                    self.keys[i, :, lead: self.length] = self.keys[j, :, lead: self.length]
+                    self.values[i, :, lead: self.length] = self.values[j, :, lead: self.length]
+            n = len(keep)
+            self.keys, self.values = self.keys[:n, :, lead:], self.values[:n, :, lead:]
+            self.length -= lead
 
     return GrowingLayer
 
@@ -572,7 +579,7 @@ def decode_batch(model: Any, ids: Any, attn: Any, vision: dict[str, Any], *, max
             # no later step attends over them.
             lead = int(attn.any(0).to(torch.int8).argmax())
             for layer in cache.layers:
-                layer.batch_select_indices(idx, lead)
+                layer.keep_rows(keep, lead)
             live = [live[j] for j in keep]
             tok, attn, nxt, context = tok[idx], attn[:, lead:], nxt[:, idx], context[idx]
             if last is not None:
@@ -746,7 +753,10 @@ def _prefill_apart(model: Any, groups: list[list[int]], cache: Any, ids: Any, at
     """Prefill each group of rows on its own (only as wide as its own rows need, over only its
     own cached states), then gather every row's states into ``cache`` right-aligned, in batch
     order, as one prefill followed by :func:`_close_holes` leaves them. Returns the last logits
-    ``[B, V]`` and the padding mask over ``cache``."""
+    ``[B, V]`` and the padding mask over ``cache``.
+
+    A group of consecutive rows (the agent loop keeps continuing episodes first and new ones
+    after them) works on views of ``past``: its states are copied once, into the final buffer."""
     import torch
 
     pixels, grids = vision.get("pixel_values"), vision.get("image_grid_thw")
@@ -757,8 +767,8 @@ def _prefill_apart(model: Any, groups: list[list[int]], cache: Any, ids: Any, at
     last = None
     parts = []  # per group: (rows, cache layers, mask over them)
     for rows in groups:
-        idx = torch.tensor(rows, device=ids.device)
-        a = attn[idx, past.length:]  # ``attn`` already starts with the cached states' mask
+        pick = _rows(rows, ids.device)
+        a = attn[pick][:, past.length:]  # ``attn`` already starts with the cached states' mask
         width = int(a.sum(-1).max())
         kwargs: dict[str, Any] = {}
         images = [j for r in rows for j in range(first_image[r], first_image[r + 1])]
@@ -768,37 +778,62 @@ def _prefill_apart(model: Any, groups: list[list[int]], cache: Any, ids: Any, at
             kwargs["image_grid_thw"] = grids[torch.tensor(images, device=grids.device)]
         sub = _growing_cache(model)
         mask = a[:, -width:]
-        held = past.mask[idx]
+        held = past.mask[pick]
         if bool(held.any()):
             lead = past.length - int(held.sum(-1).max())  # columns that are padding in every row
             for layer, (keys, values) in zip(sub.layers, past.layers, strict=True):
-                layer.preset(keys[idx][:, :, lead:], values[idx][:, :, lead:], past.length - lead)
+                layer.preset(keys[pick][:, :, lead:], values[pick][:, :, lead:],
+                             past.length - lead)
             mask = torch.cat([held[:, lead:].to(mask.dtype), mask], dim=1)
         count["prefill_slots"] += len(rows) * width
-        out = model(input_ids=ids[idx, -width:], attention_mask=mask,
-                    position_ids=positions[:, idx, -width:], past_key_values=sub, use_cache=True,
-                    logits_to_keep=1, **kwargs)
+        out = model(input_ids=ids[pick][:, -width:], attention_mask=mask,
+                    position_ids=positions[:, pick, -width:], past_key_values=sub,
+                    use_cache=True, logits_to_keep=1, **kwargs)
         logits = out.logits[:, -1]
         if last is None:
             last = logits.new_empty((ids.shape[0], logits.shape[-1]))
-        last[idx] = logits
-        parts.append((idx, sub.layers, mask))
-    # One buffer, rows in batch order, each group's states left-padded to the longest; then
-    # close the holes (a continuing group has two runs of padding per row).
-    longest = max(m.shape[1] for _, _, m in parts)
-    merged = attn.new_zeros((ids.shape[0], longest))
-    for idx, _, m in parts:
-        merged[idx, longest - m.shape[1]:] = m
+        last[pick] = logits
+        parts.append((pick, sub.layers, mask))
+    # Each row's real states, right-aligned in one buffer in batch order, in one gather per
+    # group (what :func:`_close_holes` makes of the groups' buffers side by side): per row its
+    # masked positions first, then its real ones, each in order, the last ``width`` kept.
+    width = max(int(m.sum(-1).max()) for _, _, m in parts)
+    merged = attn.new_zeros((ids.shape[0], width))
+    gathers = []
+    for pick, layers, m in parts:
+        order = torch.sort(m.bool().to(torch.int8), dim=-1, stable=True).indices
+        short = max(0, width - order.shape[1])
+        if short:  # a narrower group: its rows' first positions are masked (any finite state)
+            order = torch.cat([order.new_zeros((order.shape[0], short)), order], dim=1)
+        order = order[:, -width:]
+        kept = torch.gather(m, 1, order)
+        kept[:, :short] = 0
+        merged[pick] = kept
+        gathers.append((pick, layers, order))
+    room = 64
     for li, layer in enumerate(cache.layers):
-        ref = parts[0][1][li].keys
-        keys = ref.new_zeros((ids.shape[0], ref.shape[1], longest, ref.shape[-1]))
-        values = keys.clone()
-        for idx, layers, m in parts:
-            n = layers[li].length
-            keys[idx, :, longest - n:] = layers[li].keys[:, :, :n]
-            values[idx, :, longest - n:] = layers[li].values[:, :, :n]
-        layer.preset(keys, values, longest)
-    return last, _close_holes(cache.layers, merged)
+        ref = parts[0][1][li]
+        buffers = [ref.keys.new_empty((ids.shape[0], ref.keys.shape[1], width + room,
+                                       ref.keys.shape[-1])),
+                   ref.values.new_empty((ids.shape[0], ref.values.shape[1], width + room,
+                                         ref.values.shape[-1]))]
+        for pick, layers, order in gathers:
+            src = layers[li]
+            for buf, old in zip(buffers, (src.keys, src.values)):
+                buf[pick, :, :width] = torch.gather(
+                    old[:, :, : src.length], 2,
+                    order[:, None, :, None].expand(-1, old.shape[1], -1, old.shape[-1]))
+        layer.preset(*buffers, width)
+    return last, merged
+
+
+def _rows(rows: list[int], device: Any) -> Any:
+    """An index for ``rows`` of a batch: a slice (views, no copies) when they are consecutive."""
+    import torch
+
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return slice(rows[0], rows[0] + len(rows))
+    return torch.tensor(rows, device=device)
 
 
 def _close_holes(layers: list[Any], attn: Any, room: int = 64) -> Any:
