@@ -710,12 +710,10 @@ class EvalWriter:
     def flush(self) -> None:
         """Commit everything added so far; returns once it is all in the store. When a batch
         failed, the ones after it are still committed, then its error is raised."""
-        error: BaseException | None = None
-        while self._inflight:
-            try:
-                self._inflight.pop(0).result()
-            except BaseException as exc:  # the first one is raised, once the rest are in
-                error = error or exc
+        inflight, self._inflight = self._inflight, []
+        # Each batch's error (None when it went in), waiting for each: the first is raised once
+        # the rest are in.
+        error = next((e for e in [f.exception() for f in inflight] if e is not None), None)
         if self._committer is not None:
             self._committer.shutdown(wait=True)
             self._committer = None
