@@ -795,35 +795,17 @@ def _prefill_apart(model: Any, groups: list[list[int]], cache: Any, ids: Any, at
         last[pick] = logits
         parts.append((pick, sub.layers, mask))
     # Each row's real states, right-aligned in one buffer in batch order, in one gather per
-    # group (what :func:`_close_holes` makes of the groups' buffers side by side): per row its
-    # masked positions first, then its real ones, each in order, the last ``width`` kept.
+    # group (what :func:`_close_holes` makes of the groups' buffers side by side).
     width = max(int(m.sum(-1).max()) for _, _, m in parts)
     merged = attn.new_zeros((ids.shape[0], width))
     gathers = []
     for pick, layers, m in parts:
-        order = torch.sort(m.bool().to(torch.int8), dim=-1, stable=True).indices
-        short = max(0, width - order.shape[1])
-        if short:  # a narrower group: its rows' first positions are masked (any finite state)
-            order = torch.cat([order.new_zeros((order.shape[0], short)), order], dim=1)
-        order = order[:, -width:]
+        order = _right_order(m.bool(), width)
         kept = torch.gather(m, 1, order)
-        kept[:, :short] = 0
+        kept[:, : max(0, width - m.shape[1])] = 0  # a narrower group's leading positions
         merged[pick] = kept
         gathers.append((pick, layers, order))
-    room = 64
-    for li, layer in enumerate(cache.layers):
-        ref = parts[0][1][li]
-        buffers = [ref.keys.new_empty((ids.shape[0], ref.keys.shape[1], width + room,
-                                       ref.keys.shape[-1])),
-                   ref.values.new_empty((ids.shape[0], ref.values.shape[1], width + room,
-                                         ref.values.shape[-1]))]
-        for pick, layers, order in gathers:
-            src = layers[li]
-            for buf, old in zip(buffers, (src.keys, src.values)):
-                buf[pick, :, :width] = torch.gather(
-                    old[:, :, : src.length], 2,
-                    order[:, None, :, None].expand(-1, old.shape[1], -1, old.shape[-1]))
-        layer.preset(*buffers, width)
+    _gather_states(cache.layers, gathers, ids.shape[0], width)
     return last, merged
 
 
@@ -836,7 +818,7 @@ def _rows(rows: list[int], device: Any) -> Any:
     return torch.tensor(rows, device=device)
 
 
-def _close_holes(layers: list[Any], attn: Any, room: int = 64) -> Any:
+def _close_holes(layers: list[Any], attn: Any) -> Any:
     """Move each row's real states to the right end of a buffer as long as the longest row's,
     and return the new padding mask.
 
@@ -850,19 +832,43 @@ def _close_holes(layers: list[Any], attn: Any, room: int = 64) -> Any:
     width = int(valid.sum(-1).max())
     if width == attn.shape[1]:
         return attn
-    # Per row: its masked positions first, then its real ones, each in order; keep the last
-    # ``width`` (all the real ones, right-aligned).
-    index = torch.sort(valid.to(torch.int8), dim=-1, stable=True).indices[:, -width:]
-    for layer in layers:
-        for name in ("keys", "values"):
-            old = getattr(layer, name)
-            new = old.new_empty((*old.shape[:2], width + room, old.shape[-1]))
-            new[:, :, :width] = torch.gather(
-                old[:, :, : layer.length], 2,
-                index[:, None, :, None].expand(-1, old.shape[1], -1, old.shape[-1]))
-            setattr(layer, name, new)
-        layer.length = width
+    index = _right_order(valid, width)
+    _gather_states(layers, [(slice(None), layers, index)], attn.shape[0], width)
     return torch.gather(attn, 1, index)
+
+
+def _right_order(valid: Any, width: int) -> Any:
+    """Per row of ``valid`` (``[B, L]`` boolean): its masked positions first, then its real
+    ones, each in order, the last ``width`` of them (all the real ones, right-aligned). A row
+    shorter than ``width`` starts with position 0 repeated: a masked place, any finite state."""
+    import torch
+
+    order = torch.sort(valid.to(torch.int8), dim=-1, stable=True).indices
+    short = width - order.shape[1]
+    if short > 0:
+        order = torch.cat([order.new_zeros((order.shape[0], short)), order], dim=1)
+    return order[:, -width:]
+
+
+def _gather_states(layers: list[Any], groups: list[tuple[Any, list[Any], Any]], n_rows: int,
+                   width: int, room: int = 64) -> None:
+    """Give each of ``layers`` new buffers of ``n_rows`` rows and ``width`` positions (plus
+    ``room`` free after them): for each ``(rows, source layers, order)`` group, its rows hold
+    their source states at the positions ``order`` (``[len(rows), width]``) names. A source may
+    be the layer itself: it is read before it is replaced."""
+    import torch
+
+    for li, layer in enumerate(layers):
+        ref = groups[0][1][li]
+        buffers = [old.new_empty((n_rows, old.shape[1], width + room, old.shape[-1]))
+                   for old in (ref.keys, ref.values)]
+        for rows, sources, order in groups:
+            src = sources[li]
+            for buf, old in zip(buffers, (src.keys, src.values)):
+                buf[rows, :, :width] = torch.gather(
+                    old[:, :, : src.length], 2,
+                    order[:, None, :, None].expand(-1, old.shape[1], -1, old.shape[-1]))
+        layer.preset(*buffers, width)
 
 
 def _keep_row_cache(row: Row, j: int, cache: Any, attn: Any, context_len: int) -> None:
