@@ -9,7 +9,15 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install demo test test-slow lint lock clean
 
+# A new environment takes about 7.7 GB (torch 2.14.1 brings its CUDA libraries even on a CPU
+# machine) and about 8.4 GB while pip installs it: check the disk before starting, so that a
+# full disk is one clear line instead of a pip traceback and a half-installed .venv.
+NEED_GB ?= 9
+
 $(STAMP): pyproject.toml constraints.txt
+	@test -x $(PY) || { mkdir -p $(dir $(VENV)) && free=$$(df -Pk $(dir $(VENV)) | awk 'NR==2 {print int($$4 / 1048576)}') && \
+	  if [ "$$free" -lt $(NEED_GB) ]; then \
+	    echo "make: $(VENV) needs about $(NEED_GB) GB of free disk to install (torch's CUDA libraries included), but $$(df -Pk $(dir $(VENV)) | awk 'NR==2 {print $$6}') has $$free GB: free some space, or put the environment elsewhere with VENV=/larger/disk/venv" >&2; exit 2; fi; }
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
