@@ -142,6 +142,9 @@ def test_rollouts_of_a_step_are_recorded_and_sent_to_tensorboard(step_batch):
 def test_sft_and_eval_metrics_reach_tensorboard_and_wandb(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_MODE", raising=False)  # the suite disables W&B; offline here
     monkeypatch.setenv("WANDB_SILENT", "true")
+    # W&B's service leaves a folder and a socket in the temporary directory it is given.
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
     recipe = load_recipe(None, ["report.trackers=[tensorboard, wandb]",
                                 f"runs_dir={tmp_path / 'runs'}"])
     trackers = open_trackers(recipe, "r", "sft")

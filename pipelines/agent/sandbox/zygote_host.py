@@ -78,6 +78,9 @@ class Zygote:
         return self.proc is not None and not self.hung_up and self.proc.poll() is None
 
     def start(self) -> None:
+        # A zygote that died (or hung up) is restarted here: end what is left of it first, or
+        # its socket, its process and (rlimit mode) its temporary home would outlive it.
+        self._release(grace_s=1.0)
         host, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         fd = child.fileno()
         roots = os.pathsep.join(isolation.import_roots())
@@ -190,22 +193,27 @@ class Zygote:
 
     def shutdown(self) -> None:
         with self.lock:
-            if self.control is not None:
-                # shutdown() first: close() alone leaves the socket open while the event reader
-                # thread sits in recv() on it, so the zygote would never see the host hang up.
-                with contextlib.suppress(OSError):
-                    self.control.shutdown(socket.SHUT_RDWR)
-                self.control.close()
-                self.control = None
-            if self.proc is not None:
-                try:
-                    self.proc.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    self.proc.kill()
-                self.proc = None
-            if self.tmp_base:
-                shutil.rmtree(self.tmp_base, ignore_errors=True)
-                self.tmp_base = None
+            self._release(grace_s=5.0)
+
+    def _release(self, grace_s: float) -> None:
+        """Hang up on the zygote, give it ``grace_s`` to exit (then kill it), and remove its
+        temporary home. Called with ``lock`` held."""
+        if self.control is not None:
+            # shutdown() first: close() alone leaves the socket open while the event reader
+            # thread sits in recv() on it, so the zygote would never see the host hang up.
+            with contextlib.suppress(OSError):
+                self.control.shutdown(socket.SHUT_RDWR)
+            self.control.close()
+            self.control = None
+        if self.proc is not None:
+            try:
+                self.proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+            self.proc = None
+        if self.tmp_base:
+            shutil.rmtree(self.tmp_base, ignore_errors=True)
+            self.tmp_base = None
 
 
 _ZYGOTES: dict[str, Zygote] = {}

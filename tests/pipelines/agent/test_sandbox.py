@@ -951,6 +951,33 @@ def test_a_zygote_that_dies_wakes_its_waiters_at_once():
     waiter.join(40)
     assert waited and waited[0] < 10, waited
     assert not z._alive()
+    z.shutdown()
+
+
+def test_a_restarted_zygote_leaves_nothing_of_the_dead_one() -> None:
+    # A zygote that died is started again on the next spawn; its predecessor's temporary home
+    # (rlimit mode) used to stay in /tmp for good.
+    import os
+    import signal
+
+    from pipelines.agent.sandbox.zygote_host import Zygote
+
+    z = Zygote("rlimit")
+    try:
+        z.start()
+        first, first_home = z.proc, z.tmp_base
+        assert first_home and os.path.isdir(first_home)
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait(10)
+        assert not z._alive()
+        z.start()  # what the next spawn does
+        assert z._alive() and z.proc is not first
+        assert z.tmp_base != first_home and os.path.isdir(z.tmp_base)
+        assert not os.path.exists(first_home)
+    finally:
+        home = z.tmp_base
+        z.shutdown()
+    assert home and not os.path.exists(home)
 
 
 # The agent loop closes its sandboxes on its exception path while pool threads may still be in
