@@ -45,8 +45,10 @@ def served(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
         pytest.skip("the transformers CLI is not installed beside this interpreter")
     port = _free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
+    # The server writes each image it is sent to a temporary PNG that it never deletes: give it
+    # a temporary directory that the test run removes.
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "OMP_NUM_THREADS": "1"}
+           "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path_factory.mktemp("serve-tmp"))}
     with open(log, "w") as fh:
         proc = subprocess.Popen([str(exe), "serve", str(tiny_model_dir), "--host", "127.0.0.1",
                                  "--port", str(port), "--device", "cpu", "--dtype", "float32"],
