@@ -71,6 +71,9 @@ _LOCK_WAIT_S = 60.0
 _LOCK_NOTICE_S = 2.0
 """After this long waiting for another process's lock, say whose it is."""
 _WRITE_LOCK = threading.RLock()
+_COMMIT_REST_MAX_S = 0.5
+"""After a background commit (``EvalWriter``) the store is left alone for as long as the commit
+held it, up to this: other processes (``pyvision report``, a second evaluation) get in between."""
 
 
 def resolve_store_path(cli_value: str | Path | None = None) -> Path:
@@ -672,14 +675,18 @@ class Store:
 
 class EvalWriter:
     """Commits evaluated samples in small batches; ``flush()`` (always call it, in a ``finally``)
-    commits what is left. A sample goes to the store at most ``max_delay_s`` after it is added,
-    so an interrupted evaluation loses at most that much work and resumes from the rest.
+    commits what is left. A batch goes to the store once its first sample is ``max_delay_s`` old
+    (at the next ``add``), or later while the batch before it is still going in, so an
+    interrupted evaluation loses little work and resumes from the rest.
 
     Those batches are committed on a thread of their own, in order, while the evaluation goes
     on: opening the store and committing (tens of milliseconds a batch) is off the evaluation's
-    path, and DuckDB does that work without holding the GIL. ``flush()`` waits for every batch
-    before it returns; a batch that failed raises there (or at the next ``add``), nothing is
-    dropped without an error."""
+    path, and DuckDB does that work without holding the GIL. One batch is in flight at a time,
+    and after it the store is left alone for as long as the commit held it (at most
+    ``_COMMIT_REST_MAX_S``): samples that finish faster than they commit join the next batch
+    instead of queueing, and other processes reading the store get in between commits.
+    ``flush()`` waits for every batch before it returns; a batch that failed raises there (or at
+    the next ``add``), nothing is dropped without an error."""
 
     def __init__(self, store: Store, max_delay_s: float) -> None:
         self.store, self.max_delay_s = store, max_delay_s
@@ -687,20 +694,34 @@ class EvalWriter:
         self.since = 0.0
         self._committer: Any = None  # a one-thread executor while batches are in flight
         self._inflight: list[Any] = []  # their futures, oldest first
+        self._rest_until = 0.0  # monotonic time before which the next batch waits
 
     def add(self, rec: EvalRecord) -> None:
-        self._raise_failed()
+        """Queue ``rec``; raises the error of a batch that failed since the last call (``rec``
+        itself stays queued: ``flush()`` commits it)."""
         if not self.pending:
             self.since = time.monotonic()
         self.pending.append(rec)
-        if time.monotonic() - self.since >= self.max_delay_s:
+        self._raise_failed()
+        now = time.monotonic()
+        if now - self.since >= self.max_delay_s and not self._inflight \
+                and now >= self._rest_until:
             records, self.pending = self.pending, []
             if self._committer is None:
                 from concurrent.futures import ThreadPoolExecutor
 
                 self._committer = ThreadPoolExecutor(max_workers=1,
                                                      thread_name_prefix="store-commit")
-            self._inflight.append(self._committer.submit(self.store.add_eval_records, records))
+            self._inflight.append(self._committer.submit(self._commit, records))
+
+    def _commit(self, records: list[EvalRecord]) -> None:
+        """On the commit thread: one batch, then the rest that lets other processes in."""
+        start = time.monotonic()
+        try:
+            self.store.add_eval_records(records)
+        finally:
+            end = time.monotonic()
+            self._rest_until = end + min(end - start, _COMMIT_REST_MAX_S)
 
     def _raise_failed(self) -> None:
         """Raise the error of the oldest batch that failed, if one has."""

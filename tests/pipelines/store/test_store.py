@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import time
+from itertools import pairwise
 from pathlib import Path
 
 import duckdb
@@ -123,6 +124,11 @@ def test_eval_writer_commits_in_batches_within_its_delay(tmp_path, monkeypatch):
 
 def test_a_batch_that_fails_on_the_commit_thread_raises_after_the_rest_are_in(tmp_path,
                                                                                 monkeypatch):
+    from concurrent.futures import wait
+
+    import pipelines.store as store_mod
+
+    monkeypatch.setattr(store_mod, "_COMMIT_REST_MAX_S", 0.0)
     store = Store(tmp_path / "s.duckdb")
     real = store.add_eval_records
 
@@ -132,19 +138,48 @@ def test_a_batch_that_fails_on_the_commit_thread_raises_after_the_rest_are_in(tm
         real(records)
 
     monkeypatch.setattr(store, "add_eval_records", flaky)
-    writer = store.eval_writer(max_delay_s=0.0)  # every sample its own batch
+    writer = store.eval_writer(max_delay_s=0.0)  # every sample its own batch when it can be
     raised = []
     for i in range(1, 5):
         try:
             writer.add(_record(sample_id=str(i)))
-        except OSError as exc:  # an add sees the failed batch when it is already done
-            raised.append(str(exc))
+        except OSError as exc:  # the add after the failed batch: its own sample stays queued
+            raised.append((i, str(exc)))
+        wait(writer._inflight)  # each batch done before the next sample comes
     try:
         writer.flush()
     except OSError as exc:
-        raised.append(str(exc))
-    assert raised == ["disk full"]  # once, by an add or by flush
+        raised.append(("flush", str(exc)))
+    assert raised == [(3, "disk full")]  # once, by the next add
     assert store.eval_sample_ids("r", "rl", "vstar") == {"1", "3", "4"}
+
+
+def test_samples_that_finish_faster_than_they_commit_join_one_batch_and_leave_gaps(
+        tmp_path, monkeypatch):
+    # One batch in flight at a time, and after each the store is left alone for as long as the
+    # commit held it: a second process (the kill -9 test's reader, `pyvision report`) gets in.
+    # Each sample its own queued batch used to hold the file back to back.
+    store = Store(tmp_path / "s.duckdb")
+    real = store.add_eval_records
+    commits: list[tuple[float, float, int]] = []
+
+    def slow(records):
+        start = time.monotonic()
+        time.sleep(0.03)
+        real(records)
+        commits.append((start, time.monotonic(), len(records)))
+
+    monkeypatch.setattr(store, "add_eval_records", slow)
+    writer = store.eval_writer(max_delay_s=0.0)
+    for i in range(30):
+        writer.add(_record(sample_id=str(i)))
+        time.sleep(0.005)
+    writer.flush()
+    assert store.eval_sample_ids("r", "rl", "vstar") == {str(i) for i in range(30)}
+    assert sum(n for _, _, n in commits) == 30 and len(commits) < 15
+    # Between two background commits (the last commit is flush's, at once), the store rested.
+    for (start, end, _), (next_start, _, _) in pairwise(commits[:-1]):
+        assert next_start - end >= 0.9 * (end - start)
 
 
 def test_stored_samples_count_as_done_only_for_the_same_weights(tmp_path):
