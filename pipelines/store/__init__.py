@@ -692,8 +692,8 @@ class EvalWriter:
         self.store, self.max_delay_s = store, max_delay_s
         self.pending: list[EvalRecord] = []
         self.since = 0.0
-        self._committer: Any = None  # a one-thread executor while batches are in flight
-        self._inflight: list[Any] = []  # their futures, oldest first
+        self._committer: Any = None  # a one-thread executor, made for the first batch
+        self._inflight: Any = None  # the future of the batch being committed, if one is
         self._rest_until = 0.0  # monotonic time before which the next batch waits
 
     def add(self, rec: EvalRecord) -> None:
@@ -704,7 +704,7 @@ class EvalWriter:
         self.pending.append(rec)
         self._raise_failed()
         now = time.monotonic()
-        if now - self.since >= self.max_delay_s and not self._inflight \
+        if now - self.since >= self.max_delay_s and self._inflight is None \
                 and now >= self._rest_until:
             records, self.pending = self.pending, []
             if self._committer is None:
@@ -712,10 +712,11 @@ class EvalWriter:
 
                 self._committer = ThreadPoolExecutor(max_workers=1,
                                                      thread_name_prefix="store-commit")
-            self._inflight.append(self._committer.submit(self._commit, records))
+            self._inflight = self._committer.submit(self._commit, records)
 
     def _commit(self, records: list[EvalRecord]) -> None:
-        """On the commit thread: one batch, then the rest that lets other processes in."""
+        """On the commit thread: one batch, and when the next may start (after a rest as long
+        as this commit, which lets other processes in)."""
         start = time.monotonic()
         try:
             self.store.add_eval_records(records)
@@ -724,17 +725,17 @@ class EvalWriter:
             self._rest_until = end + min(end - start, _COMMIT_REST_MAX_S)
 
     def _raise_failed(self) -> None:
-        """Raise the error of the oldest batch that failed, if one has."""
-        while self._inflight and self._inflight[0].done():
-            self._inflight.pop(0).result()
+        """Forget the batch in flight once it is done; raise its error if it failed."""
+        if self._inflight is not None and self._inflight.done():
+            done, self._inflight = self._inflight, None
+            done.result()
 
     def flush(self) -> None:
         """Commit everything added so far; returns once it is all in the store. When a batch
         failed, the ones after it are still committed, then its error is raised."""
-        inflight, self._inflight = self._inflight, []
-        # Each batch's error (None when it went in), waiting for each: the first is raised once
-        # the rest are in.
-        error = next((e for e in [f.exception() for f in inflight] if e is not None), None)
+        inflight, self._inflight = self._inflight, None
+        # The batch in flight's error (None when it went in), raised once the rest are in.
+        error = inflight.exception() if inflight is not None else None
         if self._committer is not None:
             self._committer.shutdown(wait=True)
             self._committer = None
