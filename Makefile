@@ -15,9 +15,9 @@ STAMP := $(VENV)/.installed
 NEED_GB ?= 9
 
 $(STAMP): pyproject.toml constraints.txt
-	@test -x $(PY) || { mkdir -p $(dir $(VENV)) && free=$$(df -Pk $(dir $(VENV)) | awk 'NR==2 {print int($$4 / 1048576)}') && \
+	@test -x $(PY) || { mkdir -p $(dir $(VENV)) && set -- $$(df -Pk $(dir $(VENV)) | awk 'NR==2 {print int($$4 / 1048576), $$6}') && free=$$1 mount=$$2 && \
 	  if [ "$$free" -lt $(NEED_GB) ]; then \
-	    echo "make: $(VENV) needs about $(NEED_GB) GB of free disk to install (torch's CUDA libraries included), but $$(df -Pk $(dir $(VENV)) | awk 'NR==2 {print $$6}') has $$free GB: free some space, or put the environment elsewhere with VENV=/larger/disk/venv" >&2; exit 2; fi; }
+	    echo "make: $(VENV) needs about $(NEED_GB) GB of free disk to install (torch's CUDA libraries included), but $$mount has $$free GB: free some space, or put the environment elsewhere with VENV=/larger/disk/venv" >&2; exit 2; fi; }
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
