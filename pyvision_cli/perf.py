@@ -64,6 +64,7 @@ def perf_eval(
     draft_tokens: Annotated[int | None, typer.Option(help="Drafted tokens checked per forward pass in greedy turns (agent.draft_tokens; 0: one token a pass).", min=0, max=64)] = None,
     dtype: Annotated[Literal["float32", "bfloat16"], typer.Option(help="The model's precision (model.dtype). bfloat16 is only faster on CPUs that compute it natively (AVX512-BF16, AMX); it changes some greedy trajectories.")] = "float32",
     threads: Annotated[int | None, typer.Option(help="torch CPU threads while the model generates (agent.cpu_threads, default 1; 0: torch's default, one per core).", min=0, max=1024)] = None,
+    device: Annotated[Literal["auto", "cpu", "cuda"], typer.Option(help="Where the model runs (model.device; auto: cuda when torch sees a GPU). The sandboxes run on the CPU either way.")] = "auto",
     json_out: JsonOpt = False,
 ) -> None:
     """Evaluation samples/s (agent loop + sandbox + scoring + store) per family, image and video.
@@ -79,7 +80,7 @@ def perf_eval(
     with err.status("measuring evaluation ..."):
         result = run_benchmark(n_image, n_video, size, max_new_tokens, max_turns, batch_size,
                                model_dir=model, draft_tokens=draft_tokens, dtype=dtype,
-                               threads=threads)
+                               threads=threads, device=device)
     if json_out:
         print_json(result)
     else:

@@ -82,13 +82,14 @@ def run_benchmark(n_image: int = 8, n_video: int = 4, size: str = "nano",
                   max_new_tokens: int = 64, max_turns: int = 4, batch_size: int = 8,
                   model_dir: str | Path | None = None, draft_tokens: int | None = None,
                   dtype: str = "float32", workdir: str | Path | None = None,
-                  threads: int | None = None) -> dict[str, Any]:
+                  threads: int | None = None, device: str = "cpu") -> dict[str, Any]:
     """Measure evaluation throughput on this machine; returns the JSON the CLI prints.
 
     ``model_dir`` measures that model (e.g. the demo's trained one) instead of a fresh tiny one;
     ``draft_tokens`` overrides ``agent.draft_tokens`` (0: one token a forward pass); ``dtype``
     is the model's precision (``model.dtype``); ``threads`` overrides ``agent.cpu_threads`` (0:
-    torch's default, one per core).
+    torch's default, one per core); ``device`` is where the model runs (``model.device``: cpu,
+    cuda, or auto); the sandboxes, the loop and the store stay on the CPU either way.
     """
     import torch
 
@@ -96,6 +97,7 @@ def run_benchmark(n_image: int = 8, n_video: int = 4, size: str = "nano",
     from pipelines.agent.policies.scripted import ScriptedPolicy
     from pipelines.agent.sandbox import Sandbox
     from pipelines.config.recipe import load_recipe
+    from pipelines.core.device import resolve_device
     from pipelines.data.synth import synthesize
     from pipelines.eval.runner import run_eval
     from pipelines.models.tiny import build_tiny_model
@@ -104,6 +106,7 @@ def run_benchmark(n_image: int = 8, n_video: int = 4, size: str = "nano",
 
     counts = {"image": n_image, "video": n_video}
     cpus = usable_cpus()
+    device = resolve_device(device)  # before anything is built: no GPU is a clear error
     with tempfile.TemporaryDirectory(prefix="pyvision-perf-eval-", dir=workdir) as tmp:
         root = Path(tmp)
         t = time.monotonic()
@@ -121,12 +124,12 @@ def run_benchmark(n_image: int = 8, n_video: int = 4, size: str = "nano",
                 data[family] = root / family
         recipe = load_recipe(None, [
             f"agent.max_new_tokens_per_turn={max_new_tokens}", f"agent.max_turns_eval={max_turns}",
-            f"eval.batch_size={batch_size}", "model.device=cpu", f"model.dtype={dtype}",
+            f"eval.batch_size={batch_size}", f"model.device={device}", f"model.dtype={dtype}",
             *([f"agent.draft_tokens={draft_tokens}"] if draft_tokens is not None else []),
             *([f"agent.cpu_threads={threads}"] if threads is not None else [])])
         store = Store(root / "perf.duckdb")
         t = time.monotonic()
-        model = HFPolicy.from_pretrained(str(model_path), device="cpu", dtype=recipe.model.dtype,
+        model = HFPolicy.from_pretrained(str(model_path), device=device, dtype=recipe.model.dtype,
                                          image_min_pixels=recipe.agent.image_min_pixels,
                                          image_max_pixels=recipe.agent.image_max_pixels,
                                          draft_tokens=recipe.agent.draft_tokens,
@@ -163,6 +166,7 @@ def run_benchmark(n_image: int = 8, n_video: int = 4, size: str = "nano",
         "model": {"path": str(model_dir) if model_dir else f"tiny {size} (built here)",
                   "parameters": sum(p.numel() for p in model.model.parameters()),
                   "dtype": str(next(model.model.parameters()).dtype).removeprefix("torch."),
+                  "device": str(next(model.model.parameters()).device),
                   "build_s": round(build_s, 3), "load_s": round(load_s, 3)},
         "settings": {"max_new_tokens_per_turn": max_new_tokens, "max_turns": max_turns,
                      "batch_size": batch_size, "draft_tokens": recipe.agent.draft_tokens,

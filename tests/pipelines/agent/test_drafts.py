@@ -56,7 +56,11 @@ def test_drafts_forget_old_turns_and_repeat_for_the_same_turns():
 
 @pytest.fixture(scope="module")
 def policy(tiny_model_dir) -> HFPolicy:
-    pol = HFPolicy.from_pretrained(str(tiny_model_dir), device="cpu", dtype="float32",
+    return _sharpened(tiny_model_dir, "cpu")
+
+
+def _sharpened(tiny_model_dir, device: str) -> HFPolicy:
+    pol = HFPolicy.from_pretrained(str(tiny_model_dir), device=device, dtype="float32",
                                    image_max_pixels=12544, image_factor=28)
     with torch.no_grad():  # sharper than the random init, so rows stop at different lengths
         for p in pol.model.parameters():
@@ -143,6 +147,22 @@ def test_a_turn_cut_off_at_the_limit_keeps_the_limit(policy, sessions):
     spec, stats = _session(policy, 8, good, max_new=5)
     assert [ids for ids, _ in spec] == [ids for ids, _ in short]
     assert stats["draft_kept"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_drafts_on_cuda_give_greedy_s_tokens_in_fewer_passes(tiny_model_dir):
+    """The same promise on a GPU, whose kernels pick other algorithms for other shapes: checking
+    drafts several tokens a pass keeps greedy decoding's tokens (float32, TF32 off)."""
+    assert not torch.backends.cuda.matmul.allow_tf32
+    pol = _sharpened(tiny_model_dir, "cuda")
+    plain, plain_stats = _session(pol, 0, NgramDrafts())
+    spec, stats = _session(pol, 8, _learnt(ids for ids, _ in plain))
+    assert [ids for ids, _ in spec] == [ids for ids, _ in plain]
+    for (_, a), (_, b) in zip(plain, spec):
+        assert a == pytest.approx(b, abs=CHOSEN_ATOL)
+    assert sum(len(lp) for _, lp in plain) >= 60
+    assert stats["decode_steps"] <= 0.6 * plain_stats["decode_steps"]
 
 
 def test_sampled_turns_ignore_the_drafts(policy, sessions):

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from pyvision_cli.perf import app
@@ -22,6 +23,8 @@ def test_perf_eval_json_shape(tiny_model_dir: Path) -> None:
     assert data["settings"]["draft_tokens"] == 8  # agent.draft_tokens' default
     assert data["settings"]["torch_threads"] == 1  # agent.cpu_threads' default
     assert data["model"]["dtype"] == "float32"
+    # --device auto: the GPU where torch sees one
+    assert data["model"]["device"] == ("cuda:0" if torch.cuda.is_available() else "cpu")
     families = data["families"]
     assert {f: row["benchmark"] for f, row in families.items()} == {
         "image": "synth-image", "video": "synth-video"}
@@ -75,3 +78,30 @@ def test_perf_eval_text_names_the_cpu_bound(tiny_model_dir: Path) -> None:
     text = " ".join(out[out.index("image (synth-image): model "):].split())
     assert "video" not in text
     assert text.count("its CPU time allows at most") == 2 and "cores)" in text
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message where there is no GPU")
+def test_perf_eval_on_cuda_without_a_gpu_is_a_clear_error(tiny_model_dir: Path) -> None:
+    result = CliRunner().invoke(app, ["eval", "--json", "--model", str(tiny_model_dir),
+                                      "--n-image", "1", "--n-video", "0", "--device", "cuda"])
+    assert result.exit_code == 2
+    assert "torch sees no GPU" in result.output and "--device cpu" in result.output
+    assert "{" not in result.stdout  # no JSON half-printed
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_perf_eval_runs_the_model_on_cuda(tiny_model_dir: Path) -> None:
+    """The evaluation path on a GPU: batched greedy turns with drafts checked on CUDA (the
+    sandboxes stay on the CPU), every sample ending with a reason."""
+    result = CliRunner().invoke(app, ["eval", "--json", "--model", str(tiny_model_dir),
+                                      "--n-image", "3", "--n-video", "2", "--max-new-tokens", "16",
+                                      "--max-turns", "2", "--batch-size", "2",
+                                      "--device", "cuda"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["model"]["device"] == "cuda:0" and data["settings"]["draft_tokens"] == 8
+    for family, n in (("image", 3), ("video", 2)):
+        model = data["families"][family]["model"]
+        assert model["n"] == n and sum(model["stop_reasons"].values()) == n
+        assert model["work"]["decode_steps"] > 0 and model["mean_total_tokens"] > 0
