@@ -66,7 +66,7 @@ def score_predictions(name: str, predictions_path: Path | str, **kwargs: Any) ->
     [{"id", "scores"}]}``. A malformed line, a row without ``prediction`` or a needed column,
     or a repeated id is a DataError with file and line.
     """
-    from pipelines.core.records import iter_jsonl
+    from pipelines.core.records import iter_jsonl, malformed_json
     from pipelines.errors import require_file
 
     bench = get_benchmark(name, **kwargs)
@@ -77,8 +77,7 @@ def score_predictions(name: str, predictions_path: Path | str, **kwargs: Any) ->
     for number, obj in iter_jsonl(path):
         where = f"{path}:{number}"
         if isinstance(obj, Exception):
-            raise DataError(f"{where}: malformed JSON ({obj.msg} at column {obj.colno})",
-                            hint="fix or remove the line")
+            raise DataError(f"{where}: {malformed_json(obj)}", hint="fix or remove the line")
         if not isinstance(obj, dict):
             raise DataError(f"{where}: a line must be a JSON object", hint="write one row per line")
         if "prediction" not in obj:

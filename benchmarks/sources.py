@@ -181,19 +181,16 @@ def _file_rows(path: Path) -> Iterator[Row]:
         for index, values in enumerate(parquet_rows(path), start=1):
             yield Row(values, f"{path}:{index}", base)
     elif suffix == ".jsonl":
-        with open(path, encoding="utf-8") as fh:
-            for number, line in enumerate(fh, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    values = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise DataError(f"{path}:{number}: malformed JSON ({exc.msg})",
-                                    hint="fix or remove the line") from None
-                if not isinstance(values, dict):
-                    raise DataError(f"{path}:{number}: a row must be a JSON object",
-                                    hint="write one object per line")
-                yield Row(values, f"{path}:{number}", base)
+        from pipelines.core.records import iter_jsonl, malformed_json
+
+        for number, values in iter_jsonl(path):
+            if isinstance(values, json.JSONDecodeError):
+                raise DataError(f"{path}:{number}: {malformed_json(values)}",
+                                hint="fix or remove the line")
+            if not isinstance(values, dict):
+                raise DataError(f"{path}:{number}: a row must be a JSON object",
+                                hint="write one object per line")
+            yield Row(values, f"{path}:{number}", base)
     elif suffix == ".json":
         for i, values in enumerate(json_records(path)):
             if isinstance(values, dict):

@@ -114,6 +114,11 @@ class ReadReport:
                 "skipped": dict(self.skipped), "problems": list(self.problems)}
 
 
+def malformed_json(exc: json.JSONDecodeError) -> str:
+    """How a line that :func:`iter_jsonl` could not parse is described in errors and reports."""
+    return f"malformed JSON ({exc.msg} at column {exc.colno})"
+
+
 def iter_jsonl(path: str | Path) -> Iterator[tuple[int, Any | json.JSONDecodeError]]:
     """Yield ``(line_number, parsed object or the JSON error)`` for each non-blank line.
 
@@ -137,8 +142,8 @@ def iter_jsonl(path: str | Path) -> Iterator[tuple[int, Any | json.JSONDecodeErr
                 continue
             if not line.strip():
                 continue
-            try:
-                yield number, json.loads(line)
+            try:  # without its line break: an error at the line's end names this line's column
+                yield number, json.loads(line.rstrip("\r\n"))
             except json.JSONDecodeError as exc:
                 yield number, exc
 
@@ -164,7 +169,7 @@ def _read_rows(path: str | Path, file_name: str, model: type[_Row], *, strict: b
         report.read += 1
         finding: tuple[str, str] | None
         if isinstance(obj, Exception):
-            finding = ("malformed_json", f"malformed JSON ({obj.msg} at column {obj.colno})")
+            finding = ("malformed_json", malformed_json(obj))
         else:
             try:
                 row = model.model_validate(obj)

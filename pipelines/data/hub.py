@@ -14,7 +14,6 @@ is empty are reported with file and row, and skipped (or fail the import with ``
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -30,6 +29,7 @@ from pipelines.core.records import (
     Message,
     ReadReport,
     Task,
+    iter_jsonl,
     write_conversations,
     write_tasks,
 )
@@ -185,13 +185,8 @@ def _load_rows(from_dir: Path, patterns: Iterable[str]) -> list[tuple[str, int, 
             from benchmarks.sources import json_records
 
             rows += [(str(f), i + 1, r) for i, r in enumerate(json_records(f))]
-        elif f.suffix == ".jsonl":
-            for i, line in enumerate(f.read_text(encoding="utf-8").splitlines()):
-                if line.strip():
-                    try:
-                        rows.append((str(f), i + 1, json.loads(line)))
-                    except json.JSONDecodeError as exc:
-                        rows.append((str(f), i + 1, exc))
+        elif f.suffix == ".jsonl":  # a line that does not parse is kept as its error
+            rows += [(str(f), number, obj) for number, obj in iter_jsonl(f)]
         elif f.suffix == ".parquet":
             from benchmarks.sources import parquet_rows
 

@@ -334,6 +334,19 @@ def test_missing_column_is_a_data_error_with_location(tmp_path: Path) -> None:
         get_benchmark("vstar").load(data_dir=tmp_path, cache_dir=tmp_path / "cache")
 
 
+@pytest.mark.parametrize(("line", "message"), [
+    (b'{"question_id": 7, "label": "A"', r"test\.jsonl:2: malformed JSON \(Expecting ',' delimiter "
+                                        r"at column 32\)"),
+    (b'{"label": "caf\xe9"}', r"test\.jsonl:2: malformed JSON \(not UTF-8 text: byte 0xe9"),
+])
+def test_a_bad_jsonl_line_is_a_data_error_at_its_line_and_column(tmp_path: Path, line: bytes,
+                                                                 message: str) -> None:
+    rows = vstar_rows()
+    (tmp_path / "test.jsonl").write_bytes(json.dumps(rows[0]).encode() + b"\n" + line + b"\n")
+    with pytest.raises(DataError, match=message):
+        get_benchmark("vstar").load(data_dir=tmp_path, cache_dir=tmp_path / "cache")
+
+
 @pytest.mark.parametrize("damage", ["garbage", "truncated"])
 def test_corrupt_parquet_is_a_data_error_naming_the_file(tmp_path: Path, damage: str) -> None:
     data = make_hrbench_dir(tmp_path / "copy")
@@ -532,6 +545,11 @@ def test_score_predictions_reports_bad_lines(tmp_path: Path) -> None:
     rows = vstar_rows()
     path.write_text(json.dumps({**rows[0], "prediction": "A"}) + "\n{not json\n")
     with pytest.raises(DataError, match=r"p\.jsonl:2: malformed JSON"):
+        score_predictions("vstar", path)
+    # A line cut short: the column is where this line ends, not "1" of a next line.
+    path.write_text('{"question_id": 1, "prediction": "A"\r\n')
+    with pytest.raises(DataError, match=r"p\.jsonl:1: malformed JSON \(Expecting ',' "
+                                        r"delimiter at column 37\)"):
         score_predictions("vstar", path)
     path.write_text(json.dumps(rows[0]) + "\n")
     with pytest.raises(DataError, match=r"p\.jsonl:1: no 'prediction' field"):

@@ -76,6 +76,21 @@ def test_import_sft_published_layout(tmp_path):
         hub.import_dataset("pyvision-image-sft", src, tmp_path / "strict", strict=True)
 
 
+def test_import_counts_a_torn_or_non_utf8_jsonl_line_and_keeps_the_rest(tmp_path):
+    src = tmp_path / "copy"
+    _img(src / "images" / "1_0.png")
+    good = {"conversations": [{"role": "user", "content": "<image>q"},
+                              {"role": "assistant", "content": "<answer>\\boxed{3}</answer>"}],
+            "images": ["1_0.png"]}
+    (src / "part.jsonl").write_bytes(json.dumps(good).encode() + b"\n\n{\"caf\xe9\": 1}\n"
+                                     + b'{"conversations": [' + b"\n")
+    manifest = hub.import_dataset("pyvision-image-sft", src, tmp_path / "out")
+    assert manifest["read"] == 3 and manifest["kept"] == 1  # the blank line is not a row
+    assert manifest["skipped"] == {"malformed_json": 2}
+    assert [p.split(": ")[0] for p in manifest["problems"]] == [
+        f"{src / 'part.jsonl'}:3", f"{src / 'part.jsonl'}:4"]
+
+
 def test_import_rl_resolves_foreign_absolute_paths(tmp_path):
     src = tmp_path / "copy"
     _img(src / "vstar_bench" / "direct_attributes" / "sa_1.jpg")
