@@ -66,8 +66,8 @@ def score_predictions(name: str, predictions_path: Path | str, **kwargs: Any) ->
     [{"id", "scores"}]}``. A malformed line, a row without ``prediction`` or a needed column,
     or a repeated id is a DataError with file and line.
     """
-    from pipelines.core.records import iter_jsonl, malformed_json
-    from pipelines.errors import require_file
+    from pipelines.core.records import iter_jsonl
+    from pipelines.errors import malformed_json, require_file
 
     bench = get_benchmark(name, **kwargs)
     path = require_file(predictions_path, "predictions file",

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipelines.errors import DataError, UserError
+from pipelines.errors import DataError, UserError, decode_utf8, malformed_json
 
 DATA_SUFFIXES = (".parquet", ".jsonl", ".json", ".tsv")
 # Files that our own tools write next to data; never rows of a benchmark.
@@ -165,9 +165,9 @@ def json_records(path: Path) -> list[Any]:
     """The records of a ``.json`` data file: the file's list, or the first list among the values
     of its top-level object (``{"data": [...]}``); malformed JSON is a DataError at its line."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(decode_utf8(path.read_bytes(), path))
     except json.JSONDecodeError as exc:
-        raise DataError(f"{path}:{exc.lineno}: malformed JSON ({exc.msg})",
+        raise DataError(f"{path}:{exc.lineno}: {malformed_json(exc)}",
                         hint="fix the file or download it again") from None
     if isinstance(data, dict):
         data = next((v for v in data.values() if isinstance(v, list)), [])
@@ -181,7 +181,7 @@ def _file_rows(path: Path) -> Iterator[Row]:
         for index, values in enumerate(parquet_rows(path), start=1):
             yield Row(values, f"{path}:{index}", base)
     elif suffix == ".jsonl":
-        from pipelines.core.records import iter_jsonl, malformed_json
+        from pipelines.core.records import iter_jsonl
 
         for number, values in iter_jsonl(path):
             if isinstance(values, json.JSONDecodeError):

@@ -9,8 +9,13 @@ Messages follow one shape: *what* went wrong, *where* (file, line, key, URL), an
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import json
 
 
 class UserError(Exception):
@@ -75,3 +80,22 @@ def require_file(path: str | Path, what: str, hint: str | None = None) -> Path:
     if not p.is_file():
         raise UserError(f"{what} is not a file: {p}", hint=hint or "pass a file, not a directory")
     return p
+
+
+def decode_utf8(data: bytes, where: str | Path) -> str:
+    """``data`` as UTF-8 text (a leading byte-order mark is dropped); other bytes are a UserError
+    naming ``where``, the line and the column."""
+    data = data.removeprefix(codecs.BOM_UTF8)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
+        raise UserError(f"{where}:{line}: not UTF-8 text (byte 0x{data[exc.start]:02x} at column "
+                        f"{column})", hint="save the file as UTF-8") from None
+
+
+def malformed_json(exc: json.JSONDecodeError) -> str:
+    """How JSON that does not parse is described after its ``file:line`` in errors and reports:
+    the parser's reason and the column."""
+    return f"malformed JSON ({exc.msg} at column {exc.colno})"

@@ -8,7 +8,6 @@ folder is checked by reading ``config.json`` and the safetensors headers, not by
 
 from __future__ import annotations
 
-import codecs
 import json
 import os
 import re
@@ -18,7 +17,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from pipelines.errors import UserError, require_file
+from pipelines.errors import UserError, decode_utf8, malformed_json, require_file
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
 _MAX_SAFETENSORS_HEADER = 100 * 1024 * 1024  # the format's own limit
@@ -26,19 +25,6 @@ WEIGHT_GLOBS = ("*.safetensors", "*.bin")
 
 
 # -- text ------------------------------------------------------------------------------------------
-
-
-def decode_utf8(data: bytes, where: str | Path) -> str:
-    """``data`` as UTF-8 text (a leading byte-order mark is dropped); other bytes are a UserError
-    naming ``where``, the line and the column."""
-    data = data.removeprefix(codecs.BOM_UTF8)
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = data.count(b"\n", 0, exc.start) + 1
-        column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
-        raise UserError(f"{where}:{line}: not UTF-8 text (byte 0x{data[exc.start]:02x} at column "
-                        f"{column})", hint="save the file as UTF-8") from None
 
 
 def read_text(path: str | Path, what: str, hint: str | None = None) -> str:
@@ -51,6 +37,17 @@ def read_text(path: str | Path, what: str, hint: str | None = None) -> str:
         raise UserError(f"cannot read {what} {p} ({exc.strerror})",
                         hint="check its permissions") from None
     return decode_utf8(data, p)
+
+
+def read_json(path: str | Path, what: str, hint: str | None = None, *,
+              error: type[UserError] = UserError) -> Any:
+    """The JSON value in the file ``path``: :func:`read_text`'s errors, and JSON that does not
+    parse as ``error`` at its line and column, with ``hint``."""
+    text = read_text(path, what, hint)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise error(f"{path}:{exc.lineno}: {malformed_json(exc)}", hint=hint) from None
 
 
 # -- output locations ----------------------------------------------------------------------------
@@ -199,11 +196,7 @@ def check_model(model: str, what: str = "model") -> None:
         empty = not any(p.iterdir())
         raise UserError(f"{what} folder {p} {'is empty' if empty else 'has no config.json'}",
                         hint=fix)
-    try:
-        parsed: Any = json.loads(decode_utf8(config.read_bytes(), config))
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{config}:{exc.lineno}: malformed JSON ({exc.msg})",
-                        hint="restore the model's config.json") from None
+    parsed = read_json(config, f"{what}'s config", hint="restore the model's config.json")
     if not isinstance(parsed, dict):
         raise UserError(f"{config} is not a JSON object", hint="restore the model's config.json")
     weights = sorted(f for pattern in WEIGHT_GLOBS for f in p.glob(pattern) if f.is_file())

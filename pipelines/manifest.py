@@ -12,14 +12,13 @@ folders written earlier resume unchanged.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, ClassVar, Generic, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from pipelines.errors import ManifestError
-from pipelines.inputs import read_text
+from pipelines.inputs import read_json
 
 
 class StageOutputs(BaseModel):
@@ -173,12 +172,7 @@ def read_manifest(path: Path, kind: type[OutputsT]) -> StageManifest[OutputsT]:
     """The manifest at ``path`` of a ``kind.stage`` stage, validated (:class:`ManifestError`
     names the file and the first problem)."""
     hint = f"redo the {kind.stage} stage with --force"
-    text = read_text(path, f"the {kind.stage} stage's manifest", hint)
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ManifestError(f"{path}:{exc.lineno}: malformed JSON ({exc.msg})",
-                            hint=hint) from None
+    raw = read_json(path, f"the {kind.stage} stage's manifest", hint, error=ManifestError)
     try:
         return StageManifest[kind].model_validate(raw)
     except ValidationError as exc:

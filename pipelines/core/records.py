@@ -38,7 +38,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from pipelines.errors import DataError
+from pipelines.errors import DataError, malformed_json
 from pipelines.fsutil import atomic_write_text
 
 AnswerType = Literal["choice", "number", "text", "math"]
@@ -112,11 +112,6 @@ class ReadReport:
     def as_dict(self) -> dict[str, Any]:
         return {"path": self.path, "read": self.read, "kept": self.kept,
                 "skipped": dict(self.skipped), "problems": list(self.problems)}
-
-
-def malformed_json(exc: json.JSONDecodeError) -> str:
-    """How a line that :func:`iter_jsonl` could not parse is described in errors and reports."""
-    return f"malformed JSON ({exc.msg} at column {exc.colno})"
 
 
 def iter_jsonl(path: str | Path) -> Iterator[tuple[int, Any | json.JSONDecodeError]]:

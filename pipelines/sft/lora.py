@@ -8,7 +8,6 @@ with the processor saved beside it, and is merged with peft in this process inst
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from pipelines.core.modeldir import (
 )
 from pipelines.errors import SubprocessFailed, UserError
 from pipelines.fsutil import atomic_dir, atomic_write_text, keep_failed_log
-from pipelines.inputs import read_text
+from pipelines.inputs import read_json, read_text
 from pipelines.sft import llamafactory as lf
 
 # Model types whose LLaMA-Factory chat template is unambiguous. Qwen3-VL is not among them: its
@@ -41,14 +40,16 @@ def adapter_template(adapter: Path, base: str | Path) -> str:
     for path in (adapter.parent / lf.TRAIN_YAML, adapter / "training_args.yaml"):
         if path.is_file():
             try:
-                args = yaml.safe_load(path.read_text()) or {}
+                args = yaml.safe_load(read_text(path, "training YAML")) or {}
             except yaml.YAMLError as exc:
                 raise UserError(f"{path} is not valid YAML ({exc.__class__.__name__})",
                                 hint="repair or remove it, or pass --template") from None
             if isinstance(args, dict) and args.get("template"):
                 return str(args["template"])
     config = Path(str(base)) / "config.json"
-    model_type = json.loads(config.read_text()).get("model_type") if config.is_file() else None
+    parsed = read_json(config, "base model's config", hint="restore the base model's config.json, "
+                       "or pass --template") if config.is_file() else None
+    model_type = parsed.get("model_type") if isinstance(parsed, dict) else None
     if model_type is None and re.search(r"Qwen2(\.5)?-VL", str(base)):
         model_type = "qwen2_5_vl"
     if model_type in _TEMPLATE_OF_MODEL_TYPE:
@@ -69,10 +70,7 @@ def check_adapter(adapter: Path) -> None:
         raise UserError(f"{adapter} is not a LoRA adapter (no adapter_config.json)",
                         hint="pass the SFT output folder of a finetuning_type: lora run")
     fix = "restore it from the run that trained the adapter (peft writes it beside the weights)"
-    try:
-        parsed = json.loads(read_text(config, "adapter config"))
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{config}:{exc.lineno}: malformed JSON ({exc.msg})", hint=fix) from None
+    parsed = read_json(config, "adapter config", hint=fix)
     if not isinstance(parsed, dict):
         raise UserError(f"{config} is not a JSON object", hint=fix)
     missing = [key for key in ("peft_type", "r") if key not in parsed]

@@ -8,7 +8,6 @@ model).
 
 from __future__ import annotations
 
-import json
 import shutil
 import time
 from pathlib import Path
@@ -41,19 +40,15 @@ def resolve_sft_inputs(recipe: Recipe, sd: StageDir, *, model: str | None = None
         raise UserError(f"no SFT dataset for run '{sd.run_id}' (the data stage has not finished)",
                         hint="run the data stage first, or pass --dataset-dir DIR --dataset NAME "
                              "(a LLaMA-Factory folder with dataset_info.json)")
-    from pipelines.inputs import check_model, read_text
+    from pipelines.inputs import check_model, read_json
 
     check_model(model, "the base model")
     info = Path(dataset_dir) / "dataset_info.json"
     if not info.is_file():
         raise UserError(f"{info} not found", hint="export the data with `pyvision data export "
                         "--format llamafactory` or pass the folder that holds dataset_info.json")
-    try:
-        names = json.loads(read_text(info, "dataset index"))
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{info}:{exc.lineno}: malformed JSON ({exc.msg})",
-                        hint="export the data again with `pyvision data export --format "
-                             "llamafactory`") from None
+    names = read_json(info, "dataset index", hint="export the data again with `pyvision data "
+                      "export --format llamafactory`")
     if not isinstance(names, dict):
         raise UserError(f"{info} is not a JSON object of datasets",
                         hint="export the data again with `pyvision data export --format "

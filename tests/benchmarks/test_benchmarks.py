@@ -335,8 +335,8 @@ def test_missing_column_is_a_data_error_with_location(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("line", "message"), [
-    (b'{"question_id": 7, "label": "A"', r"test\.jsonl:2: malformed JSON \(Expecting ',' delimiter "
-                                        r"at column 32\)"),
+    (b'{"question_id": 7, "label": "A"',
+     r"test\.jsonl:2: malformed JSON \(Expecting ',' delimiter at column 32\)"),
     (b'{"label": "caf\xe9"}', r"test\.jsonl:2: malformed JSON \(not UTF-8 text: byte 0xe9"),
 ])
 def test_a_bad_jsonl_line_is_a_data_error_at_its_line_and_column(tmp_path: Path, line: bytes,

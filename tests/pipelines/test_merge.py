@@ -251,8 +251,16 @@ def test_adapter_template_falls_back_to_the_base_and_asks_when_it_cannot_tell(ti
     assert "--template" in info.value.hint and "qwen3_vl_nothink" in info.value.hint
     with pytest.raises(UserError, match="cannot tell"):
         adapter_template(adapter, "Qwen/Qwen3-VL-8B-Instruct")
+    broken = tmp_path / "broken-base"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"model_type": "qwen2_5_vl",\n')
+    with pytest.raises(UserError, match=r"broken-base/config\.json:2: malformed JSON"):
+        adapter_template(adapter, broken)
     (adapter / "training_args.yaml").write_text("template: [unclosed\n")
     with pytest.raises(UserError, match="training_args.yaml is not valid YAML"):
+        adapter_template(adapter, qwen3)
+    (adapter / "training_args.yaml").write_bytes(b"template: caf\xe9\n")
+    with pytest.raises(UserError, match=r"training_args\.yaml:1: not UTF-8 text"):
         adapter_template(adapter, qwen3)
 
 

@@ -164,7 +164,7 @@ def test_outputs_of_the_wrong_shape_write_no_manifest(tmp_path):
 
 
 @pytest.mark.parametrize("text, problem", [
-    ('{"run_id": "r"', r"manifest\.json:1: malformed JSON \(Expecting ',' delimiter\)"),
+    ('{"run_id": "r"', r"manifest\.json:1: malformed JSON \(Expecting ',' delimiter at column 15\)"),
     ("[]", r"manifest\.json is not a data stage manifest \(not a JSON object\)"),
     (json.dumps({"run_id": "r", "stage": "data", "finished_at": "t", "summary": {},
                  "outputs": {"rl_tasks": "d/rl", "heldout": {}, "base_model": "m"}}),
