@@ -178,7 +178,7 @@ def command(app: typer.Typer, name: str | None = None, **kwargs: Any):
 
 ConfigOpt = Annotated[Path | None, typer.Option(
     "--config", "-c", metavar="RECIPE",
-    help="Recipe YAML [default: pipelines/recipes/tiny-cpu.yaml].", show_default=False)]
+    help="Recipe YAML or a shipped recipe's name (tiny-cpu, pyvision-image-7b, ...) [default: tiny-cpu].", show_default=False)]
 SetOpt = Annotated[list[str] | None, typer.Option(
     "--set", metavar="KEY=VALUE",
     help="Override a recipe key, e.g. --set rl.learning_rate=1e-6 (repeatable).",

@@ -71,7 +71,7 @@ class LazyRootGroup(PyVisionGroup):
 app = make_app(
     "PyVision-RL: build agentic vision models with RL, end to end.\n\n"
     "Start with `make demo` (the embedded tiny-cpu recipe, offline, on CPU) or "
-    "`pyvision run pipelines/recipes/tiny-cpu.yaml`.")
+    "`pyvision run tiny-cpu`.")
 app.info.cls = LazyRootGroup
 
 

@@ -28,7 +28,7 @@ app = make_app("Run a recipe end to end: data, sft, rl, merge, eval, report.")
 
 @command(app)
 def run(
-    recipe: Annotated[Path, typer.Argument(help="Recipe YAML, e.g. pipelines/recipes/tiny-cpu.yaml.")],
+    recipe: Annotated[Path, typer.Argument(help="Recipe YAML, or the name of a shipped recipe (tiny-cpu, pyvision-image-7b, ...).")],
     set_: SetOpt = None,
     run_id: RunIdOpt = None,
     store: StoreOpt = None,
@@ -40,6 +40,7 @@ def run(
     """Finished stages are skipped; an interrupted run continues where it stopped."""
     import time
 
+    from pipelines.config.recipe import recipe_path
     from pipelines.report.terminal import print_headline, print_table
     from pipelines.run import run_pipeline
     from pipelines.store import Store
@@ -48,7 +49,7 @@ def run(
     cfg = load_recipe(recipe, set_)
     st = Store(store)
     start = time.monotonic()
-    summary = run_pipeline(cfg, store=st, run_id=run_id, recipe_path=str(recipe),
+    summary = run_pipeline(cfg, store=st, run_id=run_id, recipe_path=str(recipe_path(recipe)),
                            from_stage=from_stage, until_stage=until_stage, force=force)
     rid = run_id or cfg.name
     if "eval" in summary:

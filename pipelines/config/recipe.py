@@ -22,6 +22,7 @@ from pipelines.config.reward import RewardConfig
 from pipelines.config.rl import RLConfig
 from pipelines.config.sandbox import SandboxConfig
 from pipelines.config.sft import SFTConfig
+from pipelines.errors import ConfigError
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 DEFAULT_RECIPE = RECIPES_DIR / "tiny-cpu.yaml"
@@ -80,6 +81,27 @@ class Recipe(Section):
         return data
 
 
+def shipped_recipes() -> list[str]:
+    """The names of the recipes that ship in ``pipelines/recipes/``."""
+    return sorted(f.stem for f in RECIPES_DIR.glob("*.yaml"))
+
+
+def recipe_path(path: str | Path) -> Path:
+    """``path`` itself where it exists, else a shipped recipe named so (``tiny-cpu``,
+    ``pyvision-image-7b.yaml``: usable from any folder); else a ConfigError listing those."""
+    p = Path(path)
+    if p.exists():
+        return p
+    shipped = RECIPES_DIR / f"{p.name.removesuffix('.yaml')}.yaml"
+    if len(p.parts) == 1 and shipped.is_file():
+        return shipped
+    raise ConfigError(f"recipe not found: {p}",
+                      hint=f"pass a recipe YAML file or a shipped recipe's name "
+                           f"({', '.join(shipped_recipes())})")
+
+
 def load_recipe(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
-    """Load a recipe file (default: the embedded tiny-cpu recipe) with `--set` overrides."""
-    return load_config(Recipe, path if path is not None else DEFAULT_RECIPE, overrides)
+    """Load a recipe file or a shipped recipe's name (default: the embedded tiny-cpu recipe) with
+    `--set` overrides."""
+    return load_config(Recipe, recipe_path(path) if path is not None else DEFAULT_RECIPE,
+                       overrides)

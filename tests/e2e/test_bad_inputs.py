@@ -150,7 +150,7 @@ RL = "rl --tasks {i}/tasks --run-id r1"
 CASES: dict[str, Case] = {
     # recipes and --set
     "recipe-not-utf8": Case("rl -c {i}/latin1.yaml", ("latin1.yaml:1", "not UTF-8", "0xe9")),
-    "recipe-missing": Case("rl -c {i}/nope.yaml", ("config file not found", "nope.yaml")),
+    "recipe-missing": Case("rl -c {i}/nope.yaml", ("recipe not found", "nope.yaml")),
     "recipe-is-folder": Case("rl -c {i}/store-dir", ("config file", "store-dir", "not a file")),
     "recipe-broken-yaml": Case("sft -c {i}/broken.yaml", ("invalid YAML", "broken.yaml:")),
     "recipe-is-a-list": Case("rl -c {i}/list.yaml", ("list.yaml", "mapping")),
@@ -159,7 +159,7 @@ CASES: dict[str, Case] = {
     "set-without-equals": Case("rl --set rl.learning_rate", ("--set expects dotted.key=value",)),
     "set-bad-value": Case("rl --set rl.learning_rate=fast", ("rl.learning_rate", "--set rl.learning_rate=VALUE")),
     "set-out-of-bounds": Case("sft --set seed=-1", ("'seed'",)),
-    "run-recipe-missing": Case("run {i}/nope.yaml", ("config file not found", "nope.yaml")),
+    "run-recipe-missing": Case("run {i}/nope.yaml", ("recipe not found", "nope.yaml")),
     "run-bad-from": Case(f"run {TINY} --from training", ("'--from'", "training")),
     "run-sft-without-data": Case(f"run {TINY} --run-id fresh --from sft --until sft", ("no base model for run 'fresh'",)),
     "run-eval-without-models": Case(f"run {TINY} --run-id fresh --from eval --until eval", ("run 'fresh' has no model to evaluate",)),

@@ -139,9 +139,22 @@ def test_invalid_yaml_and_missing_file(tmp_path):
     bad.write_text("name: [unclosed\n")
     with pytest.raises(ConfigError, match=r"invalid YAML in .*bad.yaml:\d"):
         load_recipe(bad)
-    with pytest.raises(ConfigError, match="config file not found"):
+    with pytest.raises(ConfigError, match="recipe not found") as info:
         load_recipe(tmp_path / "nope.yaml")
+    assert "tiny-cpu" in info.value.hint  # the shipped recipes' names
     listy = tmp_path / "list.yaml"
     listy.write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="mapping"):
         load_config(Recipe, listy)
+
+
+def test_a_shipped_recipe_loads_by_name_from_any_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    by_file = load_recipe(RECIPES_DIR / "pyvision-video-7b.yaml", ["seed=3"])
+    assert load_recipe("pyvision-video-7b", ["seed=3"]) == by_file
+    assert load_recipe("pyvision-video-7b.yaml", ["seed=3"]) == by_file
+    assert load_recipe("tiny-cpu") == load_recipe()
+    (tmp_path / "tiny-cpu").write_text("name: mine\n")  # a file of that name comes first
+    assert load_recipe("tiny-cpu").name == "mine"
+    with pytest.raises(ConfigError, match="recipe not found: sub/tiny-cpu"):
+        load_recipe("sub/tiny-cpu")  # a path is a path, never a shipped name
