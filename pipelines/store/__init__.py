@@ -108,8 +108,15 @@ def _in_runs(run_ids: Sequence[str] | None) -> tuple[str, list[Any]]:
 
 
 def _is_lock_error(exc: Exception) -> bool:
-    text = str(exc).lower()
-    return "lock" in text or "conflicting" in text or "being used" in text
+    """DuckDB's "Could not set lock on file ... Conflicting lock is held": the word ``lock``, not
+    the ``block`` of a corrupt file's checksum error."""
+    import re
+
+    return re.search(r"\block\b|being used by another process", str(exc).lower()) is not None
+
+
+_DAMAGED_HINT = ("the file is damaged (an interrupted copy?): restore it from a copy, or pass "
+                 "--store FILE (or set PYVISION_STORE) to another DuckDB file")
 
 
 def lock_holder(message: str) -> str:
@@ -224,10 +231,12 @@ class Store:
                 return duckdb.connect(str(self.path), read_only=self.read_only)
             except duckdb.Error as exc:
                 if not _is_lock_error(exc):
+                    damaged = isinstance(exc, duckdb.IOException) or "corrupt" in str(exc).lower()
                     raise UserError(f"cannot open the store {self.path} "
                                     f"({str(exc).splitlines()[0][:200]})",
-                                    hint="pass --store FILE (or set PYVISION_STORE) to another "
-                                         "DuckDB file") from None
+                                    hint=_DAMAGED_HINT if damaged else
+                                    "pass --store FILE (or set PYVISION_STORE) to another "
+                                    "DuckDB file") from None
                 holder = lock_holder(str(exc))
                 if time.monotonic() > deadline:
                     raise UserError(
@@ -274,33 +283,78 @@ class Store:
         if not self._ready and not self.path.exists():
             return []  # a store not created yet holds nothing; a read does not create it
         with self._connect() as con:
-            cur = con.execute(sql, list(params))
-            cols = [d[0] for d in cur.description]
-            return [dict(zip(cols, row)) for row in cur.fetchall()]
+            try:
+                cur = con.execute(sql, list(params))
+                cols = [d[0] for d in cur.description]
+                return [dict(zip(cols, row)) for row in cur.fetchall()]
+            except duckdb.Error as exc:  # a damaged file; a wrong query stays a bug
+                if isinstance(exc, duckdb.IOException) or "corrupt" in str(exc).lower():
+                    raise self._damaged(exc) from None
+                raise
 
     # -- schema ------------------------------------------------------------------------------
 
     def schema_version(self) -> int:
         with self._connect() as con:
-            exists = con.execute(
-                "SELECT count(*) FROM information_schema.tables WHERE table_name='schema_version'"
-            ).fetchone()[0]
-            if not exists:
-                return 0
-            return int(con.execute("SELECT coalesce(max(version), 0) FROM schema_version")
-                       .fetchone()[0])
+            return self._version(con)
+
+    @staticmethod
+    def _version(con: duckdb.DuckDBPyConnection) -> int:
+        exists = con.execute(
+            "SELECT count(*) FROM information_schema.tables WHERE table_name='schema_version'"
+        ).fetchone()[0]
+        if not exists:
+            return 0
+        return int(con.execute("SELECT coalesce(max(version), 0) FROM schema_version")
+                   .fetchone()[0])
+
+    def _foreign_tables(self, con: duckdb.DuckDBPyConnection) -> list[str]:
+        """Tables of a DuckDB file that pyvision never wrote (no ``schema_version`` beside them):
+        refused rather than read as runs or migrated in place."""
+        names = [r[0] for r in con.execute(
+            "SELECT table_name FROM information_schema.tables WHERE table_schema='main'"
+        ).fetchall()]
+        return [] if "schema_version" in names else sorted(names)
+
+    def _refuse_foreign(self, con: duckdb.DuckDBPyConnection) -> None:
+        foreign = self._foreign_tables(con)
+        if foreign:
+            raise UserError(f"{self.path} is a DuckDB database but not a pyvision store (it holds "
+                            f"table '{foreign[0]}' and no schema_version)",
+                            hint="pass --store FILE (or set PYVISION_STORE) to a pyvision store or "
+                                 "a new file")
 
     def _check_version(self) -> int:
-        version = self.schema_version()
+        try:
+            with self._connect() as con:
+                self._refuse_foreign(con)
+                version = self._version(con)
+        except duckdb.Error as exc:
+            raise self._damaged(exc) from None
+        if version == 0:
+            raise UserError(f"{self.path} is an empty DuckDB file: no pyvision stage has written "
+                            "to it yet", hint="run a stage with --store pointing at it, or pass "
+                                              "--store to a pyvision store")
         if version > SCHEMA_VERSION:
             raise UserError(
                 f"store {self.path} has schema version {version}, newer than this pyvision "
                 f"understands ({SCHEMA_VERSION})", hint="upgrade pyvision or use another --store")
         return version
 
+    def _damaged(self, exc: duckdb.Error) -> UserError:
+        return UserError(f"cannot read the store {self.path} ({str(exc).splitlines()[0][:200]})",
+                         hint=_DAMAGED_HINT)
+
     def migrate(self) -> int:
         """Apply pending migrations; return the schema version."""
+        try:
+            return self._migrate()
+        except duckdb.Error as exc:
+            raise self._damaged(exc) from None
+
+    def _migrate(self) -> int:
         with _WRITE_LOCK, contextlib.closing(self._open()) as con:
+            self._refuse_foreign(con)
             con.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER PRIMARY KEY, "
                         "name VARCHAR, applied_at TIMESTAMP DEFAULT current_timestamp)")
             current = int(con.execute("SELECT coalesce(max(version), 0) FROM schema_version")

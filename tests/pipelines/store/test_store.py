@@ -331,6 +331,53 @@ def test_bad_store_paths_are_one_line_errors(tmp_path, make, needle):
             Store(path, read_only=read_only)
 
 
+def test_a_duckdb_file_that_is_not_a_store_is_refused_untouched(tmp_path):
+    mine = tmp_path / "mine.duckdb"
+    con = duckdb.connect(str(mine))
+    con.execute("CREATE TABLE runs (x INTEGER)")
+    con.close()
+    before = mine.read_bytes()
+    for read_only in (True, False):
+        with pytest.raises(UserError, match=r"is a DuckDB database but not a pyvision store "
+                                            r"\(it holds table 'runs' and no schema_version\)"):
+            Store(mine, read_only=read_only).runs()
+    with pytest.raises(UserError, match="not a pyvision store"):
+        Store(mine).upsert_run("r", "r")
+    assert mine.read_bytes() == before  # no schema_version added to the user's database
+    empty = tmp_path / "empty.duckdb"
+    duckdb.connect(str(empty)).close()
+    with pytest.raises(UserError, match="is an empty DuckDB file"):
+        Store(empty, read_only=True)
+    Store(empty).upsert_run("r", "r")  # written to, it becomes a store
+    assert Store(empty, read_only=True).runs()[0]["run_id"] == "r"
+
+
+def _a_store_with_runs(path: Path) -> bytes:
+    store = Store(path)
+    for i in range(300):
+        store.log_metrics("r", "rl", i, {f"m{j}": float(i * j) for j in range(20)})
+    return path.read_bytes()
+
+
+def test_a_damaged_store_is_a_one_line_error_not_a_lock_wait(tmp_path, monkeypatch):
+    import pipelines.store as store_module
+
+    monkeypatch.setattr(store_module, "_LOCK_WAIT_S", 30.0)
+    data = bytearray(_a_store_with_runs(tmp_path / "good.duckdb"))
+    for i in range(5000, len(data), 997):  # flipped bytes: DuckDB's checksum "... in block ..."
+        data[i] ^= 0xFF
+    flipped, truncated = tmp_path / "flipped.duckdb", tmp_path / "truncated.duckdb"
+    flipped.write_bytes(bytes(data))
+    truncated.write_bytes((tmp_path / "good.duckdb").read_bytes()[: len(data) // 2])
+    for path in (flipped, truncated):
+        start = time.monotonic()
+        with pytest.raises(UserError) as refused:
+            Store(path, read_only=True).metrics("r", "rl")
+        assert time.monotonic() - start < 10  # not waited out as if it were locked
+        assert f"store {path} (" in refused.value.message
+        assert "damaged" in refused.value.hint
+
+
 def test_a_store_under_a_file_is_refused_before_anything_is_made(tmp_path):
     (tmp_path / "f").write_text("x")
     with pytest.raises(UserError, match="is a file"):
