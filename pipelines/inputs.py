@@ -178,9 +178,16 @@ def safetensors_problem(path: Path) -> str | None:
     return None
 
 
+# What a model folder may hold beside config.json and the weights, all JSON.
+_SIDECAR_JSON = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                 "preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json",
+                 "generation_config.json", "chat_template.json")
+
+
 def check_model(model: str, what: str = "model") -> None:
     """``model`` is a server URL, a hub id, or a local folder that looks loadable: a
-    ``config.json`` object and complete weight files (checked without loading anything)."""
+    ``config.json`` object naming its ``model_type``, tokenizer and processor files that parse,
+    and complete weight files (checked without loading anything)."""
     if model.startswith(("http://", "https://")):
         return
     p = Path(model).expanduser()
@@ -199,6 +206,17 @@ def check_model(model: str, what: str = "model") -> None:
     parsed = read_json(config, f"{what}'s config", hint="restore the model's config.json")
     if not isinstance(parsed, dict):
         raise UserError(f"{config} is not a JSON object", hint="restore the model's config.json")
+    if not isinstance(parsed.get("model_type"), str):
+        raise UserError(f"{config} has no 'model_type' (transformers picks the model class by it)",
+                        hint="restore the model's config.json")
+    # The tokenizer's and processor's files, read before anything is loaded or written: a torn
+    # copy is a located error here, not transformers' traceback after a stage has started.
+    for name in _SIDECAR_JSON:
+        if (p / name).is_file():
+            read_json(p / name, f"{what}'s {name}", hint="copy the model folder again")
+    if (p / "chat_template.jinja").is_file():
+        read_text(p / "chat_template.jinja", f"{what}'s chat template",
+                  hint="copy the model folder again")
     weights = sorted(f for pattern in WEIGHT_GLOBS for f in p.glob(pattern) if f.is_file())
     if not weights:
         raise UserError(f"{what} folder {p} has no weights (*.safetensors or *.bin)", hint=fix)

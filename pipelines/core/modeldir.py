@@ -19,6 +19,26 @@ from pipelines.errors import UserError
 FULL_LOAD_MAX_PARAMS = 200_000_000
 
 
+def load_vlm(path: str | Path, *, dtype: Any, what: str = "model",
+             hint: str = "pass a local Hugging Face model folder") -> tuple[Any, Any]:
+    """``(model, processor)`` of the vision-language model at ``path`` (a folder or a hub id)
+    through transformers, on the CPU. What transformers refuses to load (an unreadable tokenizer,
+    a config it has no image-text model class for, a field of the wrong type) is a UserError
+    naming ``what`` and ``path``, not its traceback."""
+    from huggingface_hub.errors import StrictDataclassError
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    try:
+        processor = AutoProcessor.from_pretrained(path)
+        model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype)
+    except (OSError, ValueError, StrictDataclassError) as exc:
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or \
+            [type(exc).__name__]
+        said = " ".join(lines[:2]) if lines[0].endswith(":") else lines[0]  # "field 'x': why"
+        raise UserError(f"cannot load {what} '{path}': {said[:300]}", hint=hint) from None
+    return model, processor
+
+
 def _weights_index(path: Path) -> dict[str, tuple[int, ...]]:
     """Tensor name -> shape from the safetensors headers (no tensor data is read)."""
     from safetensors import safe_open

@@ -163,19 +163,13 @@ def probe_model(model: Any, processor: Any, *, n: int = 100, seed: int = 1) -> d
 def probe_path(path: str | Path, *, n: int = 100, seed: int = 1) -> dict[str, Any]:
     """Load a model folder and probe it."""
     import torch
-    from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    from pipelines.errors import UserError
+    from pipelines.core.modeldir import load_vlm
     from pipelines.inputs import check_model
 
     check_model(str(path), "model")  # a missing folder is "not found", not a bad hub id
-    try:
-        processor = AutoProcessor.from_pretrained(path)
-        model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
-    except (OSError, ValueError) as exc:
-        raise UserError(f"cannot load model '{path}': {str(exc).splitlines()[0]}",
-                        hint="pass a Hugging Face model folder, e.g. "
-                             "pipelines/models/weights/tiny-small") from None
+    model, processor = load_vlm(path, dtype=torch.float32, hint="pass a Hugging Face model "
+                                "folder, e.g. pipelines/models/weights/tiny-small")
     scores = probe_model(model, processor, n=n, seed=seed)
     return {"model": str(path), "n": n, "seed": seed, "scores": scores,
             "thresholds": THRESHOLDS,

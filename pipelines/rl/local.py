@@ -86,21 +86,16 @@ def _freeze_vision(model: Any) -> int:
 
 def load_policy_model(recipe: Recipe, model_path: str) -> tuple[Any, Any]:
     """(model, processor) on the recipe's device and dtype, vision tower frozen if asked."""
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-
     from pipelines.core.device import resolve_device, torch_dtype
+    from pipelines.core.modeldir import load_vlm
     from pipelines.inputs import check_model
 
     check_model(model_path, "policy model")  # a missing folder is "not found", not a bad hub id
     device = resolve_device(recipe.model.device)
-    dtype = torch_dtype(recipe.model.dtype, device)
-    try:
-        processor = AutoProcessor.from_pretrained(model_path)
-        model = AutoModelForImageTextToText.from_pretrained(model_path, dtype=dtype).to(device)
-    except OSError as exc:
-        raise UserError(f"cannot load the policy '{model_path}': {str(exc).splitlines()[0]}",
-                        hint="pass a local Hugging Face model folder (--model), or run the sft "
-                             "stage first") from None
+    model, processor = load_vlm(model_path, dtype=torch_dtype(recipe.model.dtype, device),
+                                what="the policy", hint="pass a local Hugging Face model folder "
+                                                        "(--model), or run the sft stage first")
+    model.to(device)
     if recipe.rl.freeze_vision_tower:
         _freeze_vision(model)
     return model, processor

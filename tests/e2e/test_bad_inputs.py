@@ -119,6 +119,13 @@ def make_inputs(inp: Path) -> None:
     (inp / "model-ok").mkdir()
     (inp / "model-ok" / "config.json").write_text('{"model_type": "qwen2_5_vl"}')
     (inp / "model-ok" / "model.safetensors").write_bytes(safetensors_bytes())
+    for name, file, data in (("model-torn-tokenizer", "tokenizer.json", b'{"version": "1.0",\n "model": {'),
+                             ("model-template-latin1", "chat_template.jinja", b"{{ 'caf\xe9' }}"),
+                             ("model-no-type", "config.json", b'{"architectures": []}')):
+        (inp / name).mkdir()
+        (inp / name / "config.json").write_text('{"model_type": "qwen2_5_vl"}')
+        (inp / name / "model.safetensors").write_bytes(safetensors_bytes())
+        (inp / name / file).write_bytes(data)
     (inp / "sft-data").mkdir()
     (inp / "sft-data" / "dataset_info.json").write_text('{"pyvision_sft": {"file_name": "t.jsonl"}}')
     (inp / "sft-data-broken").mkdir()
@@ -203,6 +210,10 @@ CASES: dict[str, Case] = {
     "eval-model-empty-folder": Case(f"{EVAL} --model {{i}}/model-empty", ("model-empty", "is empty")),
     "eval-model-no-weights": Case(f"{EVAL} --model {{i}}/model-no-weights", ("model-no-weights", "no weights")),
     "eval-model-bad-config": Case(f"{EVAL} --model {{i}}/model-bad-config", ("config.json:1", "malformed JSON")),
+    "eval-model-torn-tokenizer": Case(f"{EVAL} --model {{i}}/model-torn-tokenizer", ("tokenizer.json:2", "malformed JSON")),
+    "eval-model-template-not-utf8": Case(f"{EVAL} --model {{i}}/model-template-latin1", ("chat_template.jinja:1", "not UTF-8")),
+    "eval-model-no-model-type": Case(f"{EVAL} --model {{i}}/model-no-type", ("config.json has no 'model_type'",)),
+    "rl-model-torn-tokenizer": Case(f"{RL} --model {{i}}/model-torn-tokenizer", ("tokenizer.json:2", "malformed JSON")),
     "eval-model-truncated-safetensors": Case(f"{EVAL} --model {{i}}/model-truncated", ("model.safetensors", "truncated")),
     "eval-model-garbage-safetensors": Case(f"{EVAL} --model {{i}}/model-garbage", ("model.safetensors", "no valid safetensors header")),
     "rl-model-empty-folder": Case(f"{RL} --model {{i}}/model-empty", ("model-empty", "is empty")),

@@ -90,22 +90,15 @@ class HFPolicy:
                         image_min_pixels: int = 3136, image_max_pixels: int = 2_000_000,
                         image_factor: int = 28, draft_tokens: int = 0,
                         threads: int = 0) -> HFPolicy:
-        from transformers import AutoModelForImageTextToText, AutoProcessor
-
         from pipelines.core.device import resolve_device, torch_dtype
-        from pipelines.errors import UserError
+        from pipelines.core.modeldir import load_vlm
         from pipelines.inputs import check_model
 
         check_model(str(path), "model")  # a missing folder is "not found", not a bad hub id
         device = resolve_device(device)
-        try:
-            processor = AutoProcessor.from_pretrained(path)
-            model = AutoModelForImageTextToText.from_pretrained(
-                path, dtype=torch_dtype(dtype, device))
-        except OSError as exc:
-            raise UserError(f"cannot load model '{path}': {str(exc).splitlines()[0]}",
-                            hint="pass a local Hugging Face model folder (offline) or a hub id "
-                                 "reachable from here") from None
+        model, processor = load_vlm(path, dtype=torch_dtype(dtype, device),
+                                    hint="pass a local Hugging Face model folder (offline) or a "
+                                         "hub id reachable from here")
         model.to(device).eval()
         return cls(model, processor, image_min_pixels=image_min_pixels,
                    image_max_pixels=image_max_pixels, image_factor=image_factor,
