@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import copy
+import hashlib
 import io
 import json
+import re
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
@@ -18,6 +20,18 @@ STOP_REASONS: tuple[str, ...] = StopReason.__args__  # type: ignore[attr-defined
 # Stops by a limit of the environment (turns, context / response tokens), not by the model:
 # what over-turn masking (`rl.mask_truncated`) keeps out of the loss.
 TRUNCATED_STOPS = frozenset({"max_turns", "context_overflow"})
+
+
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+
+
+def media_stem(conv_id: str) -> str:
+    """The start of a conversation's image file names: its id where that is a plain file name, a
+    hash of it otherwise (an id from a dataset may hold ``/``, start with ``..`` or be too long
+    for a file name)."""
+    if _PLAIN_NAME.fullmatch(conv_id):
+        return conv_id
+    return "conv-" + hashlib.sha256(conv_id.encode()).hexdigest()[:16]
 
 
 @dataclass
@@ -145,6 +159,7 @@ class Trajectory:
         """
         media_dir.mkdir(parents=True, exist_ok=True)
         paths: list[str] = []
+        stem = media_stem(conv_id)
 
         def text_of(parts: list[dict]) -> str:
             out = []
@@ -153,7 +168,7 @@ class Trajectory:
                     out.append(p["text"])
                 else:
                     idx = p["index"]
-                    name = f"{conv_id}_{idx}.png"
+                    name = f"{stem}_{idx}.png"
                     buf = io.BytesIO()
                     self.images[idx].save(buf, format="PNG")
                     (media_dir / name).write_bytes(buf.getvalue())

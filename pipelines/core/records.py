@@ -114,6 +114,15 @@ class ReadReport:
                 "skipped": dict(self.skipped), "problems": list(self.problems)}
 
 
+def _is_file(path: Path) -> bool:
+    """``path.is_file()``, False (not an error) for a path the system cannot even look up: a
+    name past the file system's length limit, a loop of links."""
+    try:
+        return path.is_file()
+    except OSError:
+        return False
+
+
 def iter_jsonl(path: str | Path) -> Iterator[tuple[int, Any | json.JSONDecodeError]]:
     """Yield ``(line_number, parsed object or the JSON error)`` for each non-blank line.
 
@@ -201,7 +210,7 @@ def read_tasks(path: str | Path, *, strict: bool = False,
         if task.id in seen:
             return "duplicate_id", f"duplicate id '{task.id}'"
         if check_media:
-            missing = [str(m) for m in task.media_paths(root) if not m.is_file()]
+            missing = [str(m) for m in task.media_paths(root) if not _is_file(m)]
             if missing:
                 return "missing_media", f"missing media file {missing[0]}"
         if task.answer_type == "choice" and task.options and not _choice_in_range(task):
@@ -268,7 +277,7 @@ class Conversation(BaseModel):
             base = Path(root)
             for p in [*self.images, *self.videos]:
                 full = Path(p) if Path(p).is_absolute() else base / p
-                if not full.is_file():
+                if not _is_file(full):
                     out.append(f"missing media file {full}")
                     break
         return out

@@ -100,6 +100,7 @@ def make_inputs(inp: Path) -> None:
     write_tasks(inp / "tasks-broken-json", [task_row(0), b'{"id": "t1", "question": ', task_row(2)])
     write_tasks(inp / "tasks-latin1", [task_row(0), b'{"id": "t1", "question": "caf\xe9"}'])
     write_tasks(inp / "tasks-missing-media", [task_row(0, image="media/nope.png")])
+    write_tasks(inp / "tasks-name-too-long", [task_row(0), task_row(1, image="media/" + "x" * 300 + ".png")])
     write_tasks(inp / "tasks-bomb", [task_row(0, image="media/bomb.png")],
                 media={"bomb.png": bomb_png()})
     write_tasks(inp / "tasks-empty", [])
@@ -263,6 +264,8 @@ CASES: dict[str, Case] = {
     "trajectories-tasks-missing": Case("data trajectories --tasks {i}/nope --out {i}/traj", ("tasks file not found",)),
     "validate-strict-not-utf8": Case("data validate {i}/tasks-latin1 --strict", ("tasks.jsonl:2", "not UTF-8")),
     "validate-missing": Case("data validate {i}/nope", ("not found", "nope")),
+    "validate-strict-name-too-long": Case("data validate {i}/tasks-name-too-long --strict", ("tasks.jsonl:2", "missing media file", "xxxx.png")),
+    "eval-tasks-name-too-long": Case(f"eval -c {TINY} {M_OK} --benchmarks synth-image --data-dir {{i}}/tasks-name-too-long", ("tasks.jsonl:2", "missing media file")),
     "validate-strict-bomb": Case("data validate {i}/tasks-bomb --strict", ("bomb.png",)),
     "synth-n-float": Case("data synth --kind image-search --n 1e11 --out {i}/s", ("'--n'", "valid integer")),
     "synth-n-huge": Case("data synth --kind image-search --n 100000000000 --out {i}/s", ("--n",)),

@@ -55,6 +55,16 @@ def test_exact_scripted_trajectory(image_task):
     conv = traj.to_conversation("c1", image_task[1] / "media", "media/")
     assert [m.role for m in conv.messages] == ["user", "assistant", "user", "assistant"]
     assert conv.problems(image_task[1]) == []
+    assert conv.images == ["media/c1_0.png", "media/c1_1.png"]
+    # An id that is no file name (a dataset's "color/1", "../x", one past the name limit) still
+    # writes its images inside media/, under a name of its own.
+    names = set()
+    for odd in ("color/1", "../../evil", "x" * 300):
+        conv = traj.to_conversation(odd, image_task[1] / "media", "media/")
+        assert conv.id == odd and conv.problems(image_task[1]) == []
+        assert all(p.startswith("media/conv-") and "/" not in p[6:] for p in conv.images)
+        names.add(conv.images[0])
+    assert len(names) == 3
 
 
 @pytest.mark.parametrize("turns,cfg,reason", [
