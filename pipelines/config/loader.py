@@ -81,7 +81,7 @@ def parse_override(item: str) -> tuple[list[str], Any]:
         raise ConfigError(f"--set has an empty key in '{item}'", hint="write e.g. --set rl.n=8")
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
+    except (yaml.YAMLError, ValueError):  # ValueError: an integer past Python's 4300 digits
         value = raw
     return key.split("."), value
 
@@ -120,6 +120,9 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
         where = f"{p}:{mark.line + 1}" if mark is not None else str(p)
         raise ConfigError(f"invalid YAML in {where}: {getattr(exc, 'problem', exc)}",
                           hint="fix the YAML syntax") from None
+    except ValueError as exc:  # e.g. an integer past Python's 4300-digit limit
+        raise ConfigError(f"invalid value in {p}: {str(exc).splitlines()[0][:200]}",
+                          hint="fix the value") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -150,6 +150,8 @@ def iter_jsonl(path: str | Path) -> Iterator[tuple[int, Any | json.JSONDecodeErr
                 yield number, json.loads(line.rstrip("\r\n"))
             except json.JSONDecodeError as exc:
                 yield number, exc
+            except RecursionError:
+                yield number, json.JSONDecodeError("nested too deeply", line, 0)
 
 
 def _read_rows(path: str | Path, file_name: str, model: type[_Row], *, strict: bool,

@@ -216,6 +216,13 @@ def _convert_sft(rows, media: _MediaIndex, out: Path, report: ReadReport,
     convs = []
     for file, line, where, row in _objects(rows, report, bad):
         turns = row.get("conversations") or row.get("messages") or []
+        if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
+            bad("invalid_row", where, "'conversations' must be a list of turn objects")
+            continue
+        paths = row.get("images") or []
+        if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
+            bad("invalid_row", where, "'images' must be a list of paths")
+            continue
         messages = []
         for t in turns:
             role = _ROLE.get(str(t.get("role", t.get("from", ""))).lower())
@@ -233,7 +240,7 @@ def _convert_sft(rows, media: _MediaIndex, out: Path, report: ReadReport,
             continue
         images = []
         missing = None
-        for p in row.get("images") or []:
+        for p in paths:
             found = media.resolve(p)
             if found is None:
                 missing = p
@@ -281,10 +288,17 @@ def _convert_rl(rows, media: _MediaIndex, out: Path, report: ReadReport,
         if not isinstance(question, str) or not question.strip():
             bad("invalid_row", where, "empty or missing question")
             continue
+        if isinstance(answer, (list, dict)):  # str() would make "['A']" the answer
+            bad("invalid_row", where, f"'answer' must be text or a number, not "
+                                      f"{type(answer).__name__}")
+            continue
         if answer is None or not str(answer).strip():
             bad("empty_answer", where, "empty answer")
             continue
         recorded = row.get("image_path") or row.get("video_path")
+        if recorded is not None and not isinstance(recorded, str):
+            bad("invalid_row", where, "'image_path' / 'video_path' must be a path")
+            continue
         found = media.resolve(recorded) if recorded else None
         if found is None:
             bad("missing_media", where, f"missing media file {recorded}")

@@ -23,7 +23,7 @@ from pipelines.core.modeldir import (
 )
 from pipelines.errors import SubprocessFailed, UserError
 from pipelines.fsutil import atomic_dir, atomic_write_text, keep_failed_log
-from pipelines.inputs import read_json, read_text
+from pipelines.inputs import check_model, read_json, read_text, safetensors_problem
 from pipelines.sft import llamafactory as lf
 
 # Model types whose LLaMA-Factory chat template is unambiguous. Qwen3-VL is not among them: its
@@ -83,6 +83,12 @@ def check_adapter(adapter: Path) -> None:
     if type(parsed["r"]) is not int or parsed["r"] < 1:
         raise UserError(f"{config}: the rank r is {parsed['r']!r}, not a positive integer",
                         hint=fix)
+    weights = [adapter / n for n in ("adapter_model.safetensors", "adapter_model.bin")
+               if (adapter / n).is_file()]
+    if not weights:
+        raise UserError(f"{adapter} has no adapter weights (adapter_model.safetensors)", hint=fix)
+    if weights[0].suffix == ".safetensors" and (problem := safetensors_problem(weights[0])):
+        raise UserError(f"{adapter}: {problem}", hint=fix)
 
 
 def merge_lora(adapter: str | Path, base: str | Path, out: str | Path, *, python: str = "python",
@@ -95,6 +101,7 @@ def merge_lora(adapter: str | Path, base: str | Path, out: str | Path, *, python
     check_adapter(adapter)
     if Path(str(base)).exists():
         base = Path(base).absolute()
+        check_model(str(base), "base model")
     elif str(base).count("/") != 1:
         raise UserError(f"base model not found: {base}", hint="pass a local model folder or a "
                         "hub id such as Qwen/Qwen2.5-VL-7B-Instruct")

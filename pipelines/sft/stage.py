@@ -45,8 +45,9 @@ def resolve_sft_inputs(recipe: Recipe, sd: StageDir, *, model: str | None = None
     check_model(model, "the base model")
     info = Path(dataset_dir) / "dataset_info.json"
     if not info.is_file():
-        raise UserError(f"{info} not found", hint="export the data with `pyvision data export "
-                        "--format llamafactory` or pass the folder that holds dataset_info.json")
+        raise UserError(f"{info} {'is a folder' if info.is_dir() else 'not found'}",
+                        hint="export the data with `pyvision data export --format llamafactory` "
+                             "or pass the folder that holds dataset_info.json")
     names = read_json(info, "dataset index", hint="export the data again with `pyvision data "
                       "export --format llamafactory`")
     if not isinstance(names, dict):
@@ -56,7 +57,33 @@ def resolve_sft_inputs(recipe: Recipe, sd: StageDir, *, model: str | None = None
     if dataset not in names:
         raise UserError(f"dataset '{dataset}' is not in {info} (it has: {', '.join(names)})",
                         hint="pass --dataset with one of those names")
+    _check_dataset_entry(info, dataset, names[dataset])
     return model, str(dataset_dir), dataset
+
+
+# Where LLaMA-Factory's dataset_info.json says a dataset's rows come from.
+_REMOTE_SOURCES = ("hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "cloud_file_name")
+
+
+def _check_dataset_entry(info: Path, name: str, entry: object) -> None:
+    """The entry names its rows' source: a ``file_name`` that exists beside ``info`` (a file or
+    a folder of files), or one of LLaMA-Factory's remote sources. Checked before the stage starts,
+    so a wrong name is one line, not LLaMA-Factory's error after the model has loaded."""
+    fix = "export the data again with `pyvision data export --format llamafactory`"
+    if not isinstance(entry, dict):
+        raise UserError(f"{info}: dataset '{name}' is not an object", hint=fix)
+    file_name = entry.get("file_name")
+    if file_name is None:
+        if not any(isinstance(entry.get(k), str) for k in _REMOTE_SOURCES):
+            raise UserError(f"{info}: dataset '{name}' names no file_name (nor a hub or script "
+                            "source)", hint=fix)
+        return
+    if not isinstance(file_name, str) or not file_name:
+        raise UserError(f"{info}: dataset '{name}' has file_name {file_name!r}, not a path",
+                        hint=fix)
+    if not (info.parent / file_name).exists():
+        raise UserError(f"{info}: dataset '{name}' names {file_name}, which is not in "
+                        f"{info.parent}", hint=fix)
 
 
 def run_sft(recipe: Recipe, sd: StageDir, *, model: str, dataset_dir: str, dataset: str,

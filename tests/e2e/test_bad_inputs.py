@@ -129,6 +129,10 @@ def make_inputs(inp: Path) -> None:
         (inp / name / file).write_bytes(data)
     (inp / "sft-data").mkdir()
     (inp / "sft-data" / "dataset_info.json").write_text('{"pyvision_sft": {"file_name": "t.jsonl"}}')
+    (inp / "sft-data" / "t.jsonl").write_text("")
+    (inp / "sft-data-no-file").mkdir()
+    (inp / "sft-data-no-file" / "dataset_info.json").write_text('{"pyvision_sft": {"file_name": "nope.json"}, "x": "y"}')
+    (inp / "sft-data-folder" / "dataset_info.json").mkdir(parents=True)
     (inp / "sft-data-broken").mkdir()
     (inp / "sft-data-broken" / "dataset_info.json").write_text('{"pyvision_sft": ')
     (inp / "corrupt-parquet").mkdir()
@@ -228,6 +232,9 @@ CASES: dict[str, Case] = {
     "rl-unknown-engine": Case("rl --engine ray", ("'--engine'", "ray")),
     "sft-model-garbage": Case("sft --model {i}/model-garbage --dataset-dir {i}/sft-data --dataset pyvision_sft", ("model.safetensors", "no valid safetensors header")),
     "sft-dataset-info-broken": Case(f"sft {M_OK} --dataset-dir {{i}}/sft-data-broken --dataset pyvision_sft", ("dataset_info.json:1", "malformed JSON")),
+    "sft-dataset-file-missing": Case(f"sft {M_OK} --dataset-dir {{i}}/sft-data-no-file --dataset pyvision_sft", ("dataset 'pyvision_sft' names nope.json, which is not in", "sft-data-no-file")),
+    "sft-dataset-entry-not-object": Case(f"sft {M_OK} --dataset-dir {{i}}/sft-data-no-file --dataset x", ("dataset 'x' is not an object",)),
+    "sft-dataset-info-is-folder": Case(f"sft {M_OK} --dataset-dir {{i}}/sft-data-folder --dataset pyvision_sft", ("dataset_info.json is a folder",)),
     "sft-dataset-unknown": Case(f"sft {M_OK} --dataset-dir {{i}}/sft-data --dataset other", ("dataset 'other'", "pyvision_sft")),
     "sft-no-data-stage": Case("sft --run-id fresh", ("no base model for run 'fresh'",)),
     "agent-model-empty": Case("agent run --model {i}/model-empty --question q --image {i}/good.png", ("model-empty", "is empty")),

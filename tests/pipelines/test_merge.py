@@ -209,9 +209,13 @@ def test_merge_stage_folds_a_local_lora_rl_adapter_into_its_base(tiny_model_dir,
     assert (got - plain).abs().max() > 1e-2  # the adapter is in the merged model
 
 
-def _adapter(folder):
+def _adapter(folder, weights: bool = True):
+    from safetensors.torch import save_file
+
     folder.mkdir(parents=True)
     (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4}))
+    if weights:
+        save_file({"lora_A.weight": torch.zeros(4, 8)}, str(folder / "adapter_model.safetensors"))
     return folder
 
 
@@ -265,9 +269,32 @@ def test_adapter_template_falls_back_to_the_base_and_asks_when_it_cannot_tell(ti
 
 
 def _base(folder):
+    """A base folder as far as merge checks it before LLaMA-Factory: config and weights."""
+    from safetensors.torch import save_file
+
     folder.mkdir(parents=True)
     (folder / "config.json").write_text(json.dumps({"model_type": "qwen2_5_vl"}))
+    save_file({"w": torch.zeros(2)}, str(folder / "model.safetensors"))
     return folder
+
+
+def test_an_adapter_without_sound_weights_or_a_broken_base_is_refused_before_llamafactory(
+        tmp_path, monkeypatch):
+    monkeypatch.setattr(lora_mod.lf, "run_llamafactory",
+                        lambda *a, **k: pytest.fail("LLaMA-Factory ran on a broken input"))
+    base = _base(tmp_path / "base")
+    bare = _adapter(tmp_path / "bare", weights=False)
+    with pytest.raises(UserError, match=r"bare has no adapter weights"):
+        merge_lora(bare, base, tmp_path / "merged", template="qwen2_vl")
+    torn = _adapter(tmp_path / "torn")
+    data = (torn / "adapter_model.safetensors").read_bytes()
+    (torn / "adapter_model.safetensors").write_bytes(data[:-7])
+    with pytest.raises(UserError, match=r"torn: adapter_model\.safetensors is truncated"):
+        merge_lora(torn, base, tmp_path / "merged", template="qwen2_vl")
+    (base / "tokenizer.json").write_text('{"model": ')
+    with pytest.raises(UserError, match=r"base/tokenizer\.json:1: malformed JSON"):
+        merge_lora(_adapter(tmp_path / "lora"), base, tmp_path / "merged", template="qwen2_vl")
+    assert not (tmp_path / "merged").exists()
 
 
 @pytest.mark.parametrize("config,match", [

@@ -91,6 +91,30 @@ def test_import_counts_a_torn_or_non_utf8_jsonl_line_and_keeps_the_rest(tmp_path
         f"{src / 'part.jsonl'}:3", f"{src / 'part.jsonl'}:4"]
 
 
+def test_import_skips_rows_whose_fields_have_the_wrong_shape(tmp_path):
+    src = tmp_path / "copy"
+    _img(src / "images" / "a.png")
+    turns = [{"role": "user", "content": "<image>q"}, {"role": "assistant", "content": "a"}]
+    sft = [{"conversations": turns, "images": ["a.png"]},
+           {"conversations": ["hello", "world"], "images": ["a.png"]},
+           {"conversations": "hello", "images": ["a.png"]},
+           {"conversations": turns, "images": [5]},
+           {"conversations": turns, "images": "a.png"}]
+    (src / "sft.json").write_text(json.dumps(sft))
+    manifest = hub.import_dataset("pyvision-image-sft", src, tmp_path / "sft")
+    assert manifest["kept"] == 1 and manifest["skipped"] == {"invalid_row": 4}
+    assert [p.split(": ", 1)[1] for p in manifest["problems"]] == [
+        "'conversations' must be a list of turn objects"] * 2 + ["'images' must be a list of paths"] * 2
+    rl = [{"question": "How many?", "answer": "3", "image_path": "a.png"},
+          {"question": "How many?", "answer": "3", "image_path": ["a.png"]},
+          {"question": "Which?", "answer": ["A"], "image_path": "a.png"}]
+    (src / "sft.json").unlink()
+    (src / "rl.json").write_text(json.dumps(rl))
+    manifest = hub.import_dataset("pyvision-image-rl", src, tmp_path / "rl")
+    assert manifest["kept"] == 1 and manifest["skipped"] == {"invalid_row": 2}
+    assert "'answer' must be text or a number, not list" in manifest["problems"][1]
+
+
 def test_import_rl_resolves_foreign_absolute_paths(tmp_path):
     src = tmp_path / "copy"
     _img(src / "vstar_bench" / "direct_attributes" / "sa_1.jpg")
