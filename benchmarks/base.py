@@ -125,7 +125,9 @@ class Benchmark(ABC):
         if missing:
             raise DataError(f"{where}: missing column '{missing[0]}' for benchmark '{self.name}' "
                             f"(needs {', '.join(self.required_columns)})",
-                            hint=f"use rows with the columns of {self.hf_id}")
+                            hint=f"use rows with the columns of {self.hf_id}" if self.hf_id
+                            else "use the rows this benchmark's tasks have (`pyvision data "
+                                 "synth` writes them)")
 
     def row_media(self, row: Row, ctx: LoadContext) -> tuple[list[str], str | None]:
         """(image paths, video path) for a row; images from ``media_columns`` by default."""

@@ -23,4 +23,5 @@ class Section(BaseModel):
         use_attribute_docstrings=True,
         validate_default=True,
         protected_namespaces=(),
+        allow_inf_nan=False,  # .nan / .inf: "a finite number", not a misleading bound
     )

@@ -309,7 +309,8 @@ def distill(recipe: Recipe, task_dirs: list[str | Path], out: str | Path, *,
         from pipelines.agent.policies.openai import OpenAIPolicy
         from pipelines.eval.runner import check_endpoint
 
-        check_endpoint(teacher, what="teacher", hint=TEACHER_HINT)
+        check_endpoint(teacher, what="teacher", hint=TEACHER_HINT,
+                       not_url_hint="pass the teacher server's URL, e.g. http://localhost:8000/v1")
         policy = OpenAIPolicy(teacher, served_model or cfg.served_model, client=cfg.client,
                               concurrency=cfg.concurrency,
                               image_min_pixels=agent.image_min_pixels,

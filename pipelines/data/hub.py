@@ -355,9 +355,13 @@ def _import(ds: HubDataset, from_dir: Path, out: Path, *, strict: bool) -> dict[
     start = time.monotonic()
     if ds.kind == "eval":
         return _import_eval(ds, from_dir, out, strict=strict)
-    rows = _load_rows(from_dir, ("*.json", "*.jsonl", "*.parquet"))
+    patterns = ("*.json", "*.jsonl", "*.parquet")
+    rows = _load_rows(from_dir, patterns)
     if not rows:
-        raise DataError(f"no data files (*.json, *.jsonl, *.parquet) under {from_dir}",
+        found = any(next(from_dir.rglob(pattern), None) for pattern in patterns)
+        raise DataError(f"no rows in the data files under {from_dir} (a .json file holds a list "
+                        "of rows, or an object with one)" if found else
+                        f"no data files ({', '.join(patterns)}) under {from_dir}",
                         hint=f"pass the folder holding the downloaded copy of {ds.repo_id}")
     out.mkdir(parents=True, exist_ok=True)
     _link_media(from_dir, out)

@@ -110,15 +110,16 @@ ENDPOINT_HINT = ("start it (e.g. `vllm serve MODEL --port 8000`) and pass its UR
 
 
 def check_endpoint(url: str, timeout_s: float = 10.0, *, what: str = "model server",
-                   hint: str = ENDPOINT_HINT) -> None:
+                   hint: str = ENDPOINT_HINT,
+                   not_url_hint: str = "pass the server's URL; a local model folder runs "
+                                       "in-process with --engine hf") -> None:
     """Any HTTP answer from ``url`` counts as reachable; no answer at all is an EndpointError
-    naming ``what`` with ``hint``."""
+    naming ``what`` with ``hint`` (``not_url_hint`` where ``url`` is no http(s) URL)."""
     import httpx
 
     if not url.startswith(("http://", "https://")):
         raise EndpointError(f"{what} {url} is not a server URL (http://HOST:PORT/v1)",
-                            hint="pass the server's URL; a local model folder runs in-process "
-                                 "with --engine hf")
+                            hint=not_url_hint)
     base = url.rstrip("/")
     if not base.endswith("/v1"):
         base += "/v1"

@@ -115,6 +115,18 @@ def test_import_skips_rows_whose_fields_have_the_wrong_shape(tmp_path):
     assert "'answer' must be text or a number, not list" in manifest["problems"][1]
 
 
+def test_import_of_data_files_without_rows_says_so(tmp_path):
+    src = tmp_path / "copy"
+    src.mkdir()
+    with pytest.raises(DataError, match=r"no data files \(\*\.json, \*\.jsonl, \*\.parquet\)"):
+        hub.import_dataset("pyvision-image-sft", src, tmp_path / "a")
+    (src / "data.json").write_text('{"count": 1}')
+    with pytest.raises(DataError, match=r"no rows in the data files under .*copy \(a \.json file "
+                                        r"holds a list of rows"):
+        hub.import_dataset("pyvision-image-sft", src, tmp_path / "b")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
 def test_import_rl_resolves_foreign_absolute_paths(tmp_path):
     src = tmp_path / "copy"
     _img(src / "vstar_bench" / "direct_attributes" / "sa_1.jpg")
