@@ -33,6 +33,9 @@ class UserError(Exception):
         if self.hint:  # a message ending in a question ("did you mean ...?") keeps its mark
             text += (" " if text.endswith(("?", "!")) else ". ") + f"Fix: {self.hint.rstrip('. ')}"
         text = text.replace("\n", " ")
+        # A control character from a file name or a row (NUL, ESC ...) is shown escaped: the
+        # line stays one line and cannot drive the terminal.
+        text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
         return text if text.endswith(("?", "!")) else text + "."
 
 
