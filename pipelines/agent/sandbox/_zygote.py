@@ -362,6 +362,58 @@ def drop_capabilities() -> None:
     _check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
 
 
+class _SockFilter(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte),
+                ("k", ctypes.c_uint32)]
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_SockFilter))]
+
+
+PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
+SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO = 0x7FFF0000, 0x00050000
+# Memory that RLIMIT_AS does not count once unmapped: memfd_create and memfd_secret (pages of a
+# file held by a descriptor) and SysV shmget (a segment outlives its mapping). Refused with EPERM
+# by a seccomp filter, per architecture (the audit value seccomp reports: syscall numbers).
+NO_RLIMIT_MEMORY_SYSCALLS = {
+    "x86_64": (0xC000003E, (319, 447, 29)),
+    "aarch64": (0xC00000B7, (279, 447, 194)),
+}
+_X32_BIT = 0x40000000  # x86_64's x32 ABI: the same calls by other numbers; Python never uses it
+
+
+def seccomp_program(arch: int, denied: tuple[int, ...]) -> list[tuple[int, int, int, int]]:
+    """The classic-BPF program (code, jt, jf, k) that refuses ``denied`` with EPERM on ``arch``
+    and allows every other call (a call of another architecture too: nothing to compare)."""
+    ld_abs, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06
+    k = len(denied)
+    deny = SECCOMP_RET_ERRNO | 1  # EPERM
+    prog = [(ld_abs, 0, 0, 4),  # seccomp_data.arch
+            (jeq, 0, k + 2, arch),  # another architecture: to ALLOW
+            (ld_abs, 0, 0, 0),  # seccomp_data.nr
+            (jge, k + 1, 0, _X32_BIT)]  # an x32 call: to DENY
+    prog += [(jeq, k - i, 0, nr) for i, nr in enumerate(denied)]
+    return [*prog, (ret, 0, 0, SECCOMP_RET_ALLOW), (ret, 0, 0, deny)]
+
+
+def deny_uncounted_memory() -> bool:
+    """Install the seccomp filter of ``NO_RLIMIT_MEMORY_SYSCALLS`` for this process and the
+    threads and processes it starts after; False where it cannot (another architecture, a
+    kernel without seccomp), and the limits stay the rlimits alone."""
+    import platform
+
+    known = NO_RLIMIT_MEMORY_SYSCALLS.get(platform.machine())
+    if known is None:
+        return False
+    program = seccomp_program(*known)
+    filters = (_SockFilter * len(program))(*(_SockFilter(*ins) for ins in program))
+    fprog = _SockFprog(len(program), filters)
+    if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        return False
+    return libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0) == 0
+
+
 def apply_rlimits(limits: dict) -> None:
     mb = 1024 * 1024
     resource.setrlimit(resource.RLIMIT_AS, (limits["memory_mb"] * mb,) * 2)
@@ -1367,11 +1419,33 @@ def worker_main(sock: socket.socket, limits: dict, preloaded: dict, mode: str,
         if msg[:1] != RUN_TAG:
             continue
         result = runtime.run(msg[1:].decode("utf-8", "surrogatepass"))
+        if mode == "strict":
+            end_strays()
         images = result.pop("images")
         result["images"] = [spec for spec, _ in images]
         send_frame(sock, json.dumps(result).encode())
         for _, blob in images:
             send_frame(sock, blob)
+
+
+def end_strays(wait_s: float = 1.0) -> None:
+    """End every process a call left running and reap it. Called by the worker, pid 1 of the
+    sandbox's own pid namespace (strict mode only: elsewhere ``kill(-1)`` would reach every
+    process of the uid): a fork that outlived the call would keep its own CPU and memory limits
+    and run on unseen. Repeated until ``kill(-1)`` finds no process (one forking in a loop can
+    slip past a single pass). Threads of the runtime itself are left alone."""
+    until = time.monotonic() + wait_s
+    while True:
+        try:
+            os.kill(-1, signal.SIGKILL)  # every process of the namespace but its init, this one
+        except (ProcessLookupError, PermissionError):
+            return  # none left
+        with contextlib.suppress(ChildProcessError):
+            while os.waitpid(-1, os.WNOHANG)[0] > 0:
+                pass
+        if time.monotonic() > until:
+            return  # still dying (or reaped elsewhere): the next call ends them
+        time.sleep(0.001)
 
 
 def _close_fds_except(keep: set[int]) -> None:
@@ -1433,6 +1507,7 @@ def spawn(conn_fd: int, limits: dict, preloaded: dict, mode: str, control_fd: in
             output_fd = os.memfd_create("pyvision-output", os.MFD_CLOEXEC)
             os.ftruncate(output_fd, output_buffer_size(int(limits["max_output_chars"])))
             apply_rlimits(limits)
+            deny_uncounted_memory()  # after the output buffer's memfd, before any thread
             libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
             setup_fd = os.dup(2)
             _pumps.start()

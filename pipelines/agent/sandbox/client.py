@@ -43,7 +43,15 @@ from pipelines.config.sandbox import SandboxConfig
 from pipelines.errors import UserError
 
 Status = Literal["ok", "error", "timeout", "oom", "crashed"]
-MAX_HEADER_BYTES = 64 * 1024 * 1024
+# The reply's JSON header holds stdout and stderr, each bounded by max_output_chars (a character
+# is at most 6 bytes of JSON, \uXXXX), and the shown images' specs: anything longer is forged.
+HEADER_BYTES_PER_CHAR = 12
+HEADER_SLACK_BYTES = 64 * 1024
+# The shown images follow the header at once; the code cannot stretch its call past its limit by
+# trickling them, by more than this.
+IMAGES_GRACE_S = 5.0
+# What the worker's own truncation adds to a text of max_output_chars (its marker line).
+_MARKER_ROOM = 96
 # A worker that cannot load its media writes one stderr line "sandbox worker <id>: <reason>" and
 # exits with this code (as in _zygote.py, which cannot import this package).
 SETUP_FAILED_EXIT = 72
@@ -193,6 +201,18 @@ def _recv_frame(sock: socket.socket, limit: int, deadline: float | None = None) 
     return _recv_exact(sock, n, deadline)
 
 
+def _bounded(text: Any, limit: int) -> tuple[str, bool]:
+    """``text`` as the worker would have bounded it (head, marker, tail) where it is longer than
+    that could be; a value that is not text is dropped."""
+    if not isinstance(text, str):
+        return "", text is not None
+    if len(text) <= limit + _MARKER_ROOM:
+        return text, False
+    half = limit // 2
+    return (f"{text[:half]}\n... [truncated {len(text) - 2 * half} characters] ...\n"
+            f"{text[-half:]}"), True
+
+
 class Sandbox:
     """A persistent, isolated Python runtime for one trajectory."""
 
@@ -291,10 +311,11 @@ class Sandbox:
             sock = self._sock
         assert sock is not None
         start = time.monotonic()
+        header_limit = HEADER_BYTES_PER_CHAR * self.config.max_output_chars + HEADER_SLACK_BYTES
         try:
             deadline = start + self.config.timeout_s
             self._frames.send(RUN_TAG + code.encode("utf-8", "surrogatepass"), deadline)
-            header = json.loads(self._frames.frame(MAX_HEADER_BYTES, deadline))
+            header = json.loads(self._frames.frame(header_limit, deadline))
             if not isinstance(header, dict):
                 raise ValueError("bad reply")  # noqa: TRY004 - handled as a crash below
             specs = header.get("images", [])
@@ -302,7 +323,8 @@ class Sandbox:
                 raise ValueError("bad image list")
             blobs = []
             if specs:  # (no deadline to compute for the calls that show nothing)
-                sent_by = time.monotonic() + max(self.config.timeout_s, 30.0)
+                sent_by = max(deadline, time.monotonic() + 1.0)
+                sent_by = min(sent_by, time.monotonic() + IMAGES_GRACE_S)
                 blobs = [self._frames.frame(MAX_IMAGE_BYTES, sent_by) for _ in specs]
         except TimeoutError:
             self._kill()
@@ -310,24 +332,49 @@ class Sandbox:
             return self._failed("timeout", f"TimeoutError: killed after {t:g} s: the code ran "
                                 f"longer than the {t:g} s limit and was stopped (with every "
                                 "process it started)", note, start)
-        except (EOFError, OSError, ValueError) as exc:
+        except (EOFError, OSError, ValueError, RecursionError) as exc:
+            # RecursionError: a forged header nested past the parser's depth. The code can write
+            # any bytes to its end of the socket, so every reply is read as untrusted.
             if self._closed:  # close() ended the worker from another thread: nothing to wait for
                 return self._failed("crashed", "The sandbox was closed while the code ran.",
                                     note, start)
             info = self._zygote.wait_exit(self._sid, 2.0) or {}
             self._kill()
             return self._crash_result(info, exc, note, start)
+        return self._reply(header, specs, blobs, note, start)
+
+    def _reply(self, header: dict, specs: list, blobs: list, note: str,
+               start: float) -> ExecResult:
+        """The result a reply describes, held to the limits on this side of the socket: the
+        worker enforces them, but the code shares its process and can forge what it sends (a
+        field of the wrong type, text past the output limit, an image of any size)."""
+        limit = self.config.max_output_chars
         status = header.get("status")
         if status not in ("ok", "error", "oom"):
             status = "crashed"
-        frames = [img for img in map(frame_from_pixels, specs, blobs) if img is not None]
+        stdout, cut_out = _bounded(header.get("stdout"), limit)
+        stderr, cut_err = _bounded(header.get("stderr"), limit)
+        frames = [img for img in map(frame_from_pixels, specs, blobs)
+                  if img is not None and self._fits(img)]
         dropped = len(specs) - len(frames)
-        stderr = str(header.get("stderr", ""))
         if dropped:
             stderr += f"\n[sandbox: {dropped} invalid image(s) dropped]"
-        return ExecResult(status, note + str(header.get("stdout", "")), stderr, frames,
-                          float(header.get("duration_s", time.monotonic() - start)),
-                          bool(header.get("truncated", False)))
+        took = time.monotonic() - start
+        duration = header.get("duration_s")
+        if not isinstance(duration, (int, float)) or not 0 <= duration <= took + 1.0:
+            duration = took
+        truncated = header.get("truncated") is True or cut_out or cut_err
+        return ExecResult(status, note + stdout, stderr, frames, float(duration), truncated)
+
+    @staticmethod
+    def _fits(img: Any) -> bool:
+        """A shown image within the bounds the worker keeps to: the shown-pixel limit, and the
+        aspect bound with room for the context resize's rounding (a 199:1 image 41 pixels high
+        arrives 28 high); the agent loop then brings it to its context size, as every image."""
+        from pipelines.agent.sandbox._zygote import Runtime
+
+        w, h = img.size
+        return w * h <= SHOWN_IMAGE_MAX_PIXELS and max(w, h) < 2 * Runtime.MAX_ASPECT * min(w, h)
 
     def _failed(self, status: Status, reason: str, note: str, start: float) -> ExecResult:
         """The result of a call whose process is gone: what the code printed before (from the

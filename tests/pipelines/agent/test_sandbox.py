@@ -171,37 +171,109 @@ def test_sys_exit_is_an_error_and_state_persists(sbx):
 
 
 @strict
-def test_children_do_not_outlive_a_timeout():
+def _running(marker: str) -> list[str]:
+    found = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                if marker.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    found.append(pid)
+            except OSError:
+                continue
+    return found
+
+
+def _gone_within(marker: str, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while _running(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return _running(marker) == []
+
+
+def _orphan(marker: str) -> str:
+    """Code that starts a detached grandchild (its own session) under a command line of its own
+    (a forked worker would keep the zygote's, which is no way to find it), and waits until it
+    runs."""
+    return ("import os, sys, time\n"
+            "r, w = os.pipe()\n"
+            "if os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+            "        os.write(w, b'1')\n"
+            "        os.execv(sys.executable, [sys.executable, '-c', "
+            f"'import time\\nwhile True: time.sleep(1)', {marker!r}])\n"
+            "    os._exit(0)\n"
+            "os.read(r, 1)\ntime.sleep(0.3)\n")
+
+
+@strict
+def test_processes_a_call_starts_end_with_the_call_or_its_timeout():
+    """A process the code leaves behind would run on with CPU and memory limits of its own: it
+    ends when the call returns (the worker is its namespace's init), and with a timeout."""
     marker = f"pyvision-orphan-{os.getpid()}"
+    with Sandbox(SandboxConfig(timeout_s=3, isolation="bwrap")) as s:
+        _ok(s.run(_orphan(marker) + "kept = 'state'\n"))
+        assert _gone_within(marker, 5), "a process outlived the call that started it"
+        assert _ok(s.run("print(kept)")) == "state\n"  # the runtime itself lives on
+        assert s.run(_orphan(marker) + "while True: pass").status == "timeout"
+        assert _gone_within(marker, 5)
 
-    def running() -> list[str]:
-        found = []
-        for pid in os.listdir("/proc"):
-            if pid.isdigit():
-                try:
-                    if marker.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
-                        found.append(pid)
-                except OSError:
-                    continue
-        return found
 
+# Model code shares the worker's process, so it can reach the worker's socket to the host and
+# write any reply it likes: the host holds the reply to the limits itself.
+FORGE = ("import sys, struct, json\nf = sys._getframe()\n"
+         "while f is not None and 'sock' not in f.f_locals:\n    f = f.f_back\n"
+         "sock = f.f_locals['sock']\n"
+         "def send(b):\n    sock.sendall(struct.pack('>I', len(b)) + b)\n")
+
+
+@pytest.mark.parametrize("forged, check", [
+    ("send(json.dumps({'status': 'ok', 'stdout': ['x'], 'duration_s': 'abc'}).encode())",
+     lambda r: r.status == "ok" and r.stdout == "" and isinstance(r.duration_s, float)),
+    ("send(b'[' * 20000 + b']' * 20000)", lambda r: r.status == "crashed"),
+    ("send(json.dumps({'status': 'ok', 'stdout': 'A' * 60_000}).encode())",
+     lambda r: r.status == "ok" and r.truncated and len(r.stdout) < 2100
+     and r.stdout.startswith("A" * 1000) and "[truncated 58000 characters]" in r.stdout),
+    ("send(json.dumps({'status': 'ok', 'stdout': 'A' * 1_000_000}).encode())",  # past the frame
+     lambda r: r.status == "crashed" and "frame" in r.stderr),
+    (("send(json.dumps({'status': 'ok', 'images': [{'mode': 'RGB', 'size': [4000, 1]}]})"
+      ".encode())\nsend(bytes(12000))"), lambda r: r.frames == []
+     and "1 invalid image(s) dropped" in r.stderr),
+    # past the shown-pixel limit (2560 x 2560), which the worker would have downscaled
+    (("send(json.dumps({'status': 'ok', 'images': [{'mode': 'RGB', 'size': [2561, 2561]}]})"
+      ".encode())\nsend(bytes(2561 * 2561 * 3))"), lambda r: r.frames == []
+     and "1 invalid image(s) dropped" in r.stderr),
+])
+def test_a_forged_reply_is_held_to_the_limits_never_raised(forged, check):
+    cfg = SandboxConfig(timeout_s=5, max_output_chars=2000)
+    with Sandbox(cfg, context_pixels=(3136, 3136)) as s:
+        result = s.run(FORGE + forged + "\nimport time\ntime.sleep(0.5)")
+        assert isinstance(result, ExecResult) and check(result), result
+        assert s.run("print(1)").status in ("ok", "error", "crashed")  # usable, or restarted
+
+
+def test_images_trickled_after_the_reply_cannot_stretch_the_call():
     with Sandbox(SandboxConfig(timeout_s=2)) as s:
-        # A detached grandchild (its own session) under a command line of its own: a forked
-        # worker would keep the zygote's, which is no way to find it.
-        _ok(s.run("import os, sys\n"
-                  "if os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
-                  "        os.execv(sys.executable, [sys.executable, '-c', "
-                  f"'import time\\nwhile True: time.sleep(1)', {marker!r}])\n"
-                  "    os._exit(0)\n"))
-        deadline = time.monotonic() + 10
-        while not running() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert running(), "the orphan never started"
-        assert s.run("while True: pass").status == "timeout"
-        deadline = time.monotonic() + 5
-        while running() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert running() == []  # the timeout ended it too, not only closing the sandbox
+        start = time.monotonic()
+        result = s.run(FORGE + "send(json.dumps({'status': 'ok', 'images': [{'mode': 'RGB', "
+                       "'size': [1, 1]}]}).encode())\nimport time\ntime.sleep(30)")
+        assert result.status == "timeout"
+        assert time.monotonic() - start < 2 + 5 + 3  # the limit, the images' grace, slack
+
+
+def test_memory_that_the_address_space_limit_misses_is_refused(sbx):
+    """memfd pages and SysV segments outlive their mappings, uncounted by RLIMIT_AS: their
+    system calls fail (a seccomp filter)."""
+    import platform
+
+    from pipelines.agent.sandbox._zygote import NO_RLIMIT_MEMORY_SYSCALLS
+
+    if platform.machine() not in NO_RLIMIT_MEMORY_SYSCALLS:
+        pytest.skip("no filter for this architecture")
+    out = _ok(sbx.run("import os, ctypes\ntry:\n    os.memfd_create('m')\n"
+                      "except PermissionError as e:\n    print('memfd', e.errno)\n"
+                      "libc = ctypes.CDLL(None, use_errno=True)\n"
+                      "print('shmget', libc.shmget(0, 1 << 20, 0o1600), ctypes.get_errno())\n"))
+    assert out == "memfd 1\nshmget -1 1\n"
+
 
 @strict
 def test_sandboxes_cannot_see_each_other():
