@@ -12,14 +12,20 @@ What is isolated (``isolation: bwrap``, the default where bubblewrap works)
   zygote or the host process; it has no network interface but a down loopback.
 - rlimits per sandbox: address space (``oom``), CPU seconds, processes, file size, open files, no
   core dumps. A wall-clock timeout kills the sandbox's pid 1, which takes every process it
-  started with it (double-forked daemons included).
+  started with it (double-forked daemons included); when a call returns, pid 1 ends every
+  process the call left running. A seccomp filter refuses ``memfd_create``, ``memfd_secret``
+  and ``shmget``, whose memory the address-space limit does not count.
+- The code shares the worker's process, so it can forge the worker's reply: the host holds every
+  reply to the limits itself (field types, output length, header size, the shown images' pixels
+  and aspect, the call's deadline) and reads anything else as a crash, never an exception.
 - Media reaches the sandbox as bytes over its socket and is decoded inside it, so a malicious image
   or video is parsed by the sandboxed process, not by the host.
 
 What is not isolated
-- The kernel is shared (a kernel exploit escapes; there is no seccomp filter).
+- The kernel is shared (a kernel exploit escapes; the seccomp filter refuses three calls only).
 - CPU time is limited per sandbox but not scheduled fairly between sandboxes; the host's memory is
-  only protected by the per-sandbox address-space limit (no cgroup memory accounting).
+  only protected by per-process address-space limits (no cgroup memory accounting), so during
+  one call a sandbox's processes together may use up to ``max_processes`` x ``memory_mb``.
 - Images returned by the code are checked (raw RGB pixels whose byte count matches their
   bounded size; nothing is decoded on the host) but are the code's choice: it can show the model
   anything it can draw.
