@@ -18,7 +18,7 @@ def run(
     image: Annotated[list[Path] | None, typer.Option(help="Image(s): image_clue_0, image_clue_1, ...")] = None,
     video: Annotated[Path | None, typer.Option(help="Video: video_clue_0 (decord VideoReader).")] = None,
     timeout: Annotated[float, typer.Option(help="Wall-clock limit in seconds.", min=0.1)] = 30.0,
-    memory_mb: Annotated[int, typer.Option(help="Address-space limit in MiB.", min=64)] = 2048,
+    memory_mb: Annotated[int, typer.Option(help="Address-space limit in MiB (at least 512: the preloaded libraries map about 400).", min=512)] = 2048,
     isolation: Annotated[Literal["auto", "bwrap", "rlimit"], typer.Option(help="bwrap: namespaces; rlimit: limits only; auto: bwrap when it works.")] = "auto",
     out_dir: Annotated[Path | None, typer.Option(help="Where displayed images are written [default: a new temp dir].")] = None,
     json_out: JsonOpt = False,

@@ -22,8 +22,10 @@ class SandboxConfig(Section):
     cpu_seconds: int = Field(60, ge=1, le=86_400)
     """CPU-time limit (RLIMIT_CPU) of the sandbox process, over its whole life."""
 
-    memory_mb: int = Field(2048, ge=64, le=1_048_576)
-    """Address-space limit (RLIMIT_AS) of the sandbox process in MiB; exceeding it is `oom`."""
+    memory_mb: int = Field(2048, ge=512, le=1_048_576)
+    """Address-space limit (RLIMIT_AS) of the sandbox process in MiB; exceeding it is `oom`. At
+    least 512: the runtime's preloaded libraries already map about 400 MiB, and below that a
+    sandbox could not start."""
 
     max_processes: int = Field(16, ge=1, le=4096)
     """Process/thread limit inside the sandbox (RLIMIT_NPROC under bwrap's private uid)."""

@@ -257,6 +257,7 @@ CASES: dict[str, Case] = {
     "score-broken-line": Case("eval score --benchmark vsibench --predictions {i}/preds-broken.jsonl", ("preds-broken.jsonl:", )),
     "score-empty": Case("eval score --benchmark vsibench --predictions {i}/preds-empty.jsonl", ("preds-empty.jsonl", "no predictions")),
     "score-synth-missing-column": Case("eval score --benchmark synth-image --predictions {i}/preds-broken.jsonl", ("missing column 'data_source'", "`pyvision data synth` writes them")),
+    "sandbox-memory-too-low": Case("sandbox run {i}/code.py --memory-mb 256", ("'--memory-mb'", "greater than or equal to 512")),
     "set-nan": Case("rl --set rl.learning_rate=.nan --dry-run", ("'rl.learning_rate'", "a finite number")),
     "score-missing": Case("eval score --benchmark vsibench --predictions {i}/nope.jsonl", ("predictions file not found",)),
     "score-is-folder": Case("eval score --benchmark vsibench --predictions {i}/store-dir", ("store-dir", "not a file")),
