@@ -338,8 +338,11 @@ class Sandbox:
             if self._closed:  # close() ended the worker from another thread: nothing to wait for
                 return self._failed("crashed", "The sandbox was closed while the code ran.",
                                     note, start)
-            info = self._zygote.wait_exit(self._sid, 2.0) or {}
-            self._kill()
+            # A hang-up: the worker is exiting, and its exit says how it died. A bad reply: it
+            # is alive (the code forged it), so it is ended now rather than waited for.
+            hung_up = isinstance(exc, (EOFError, OSError))
+            info = (self._zygote.wait_exit(self._sid, 2.0) if hung_up else None) or {}
+            self._kill(wait=not info)  # an exit already read: nothing left to wait for
             return self._crash_result(info, exc, note, start)
         return self._reply(header, specs, blobs, note, start)
 
