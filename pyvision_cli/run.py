@@ -46,10 +46,11 @@ def run(
     from pipelines.store import Store
     from pyvision_cli.report import print_results
 
+    recipe = recipe_path(recipe)  # a shipped recipe's name, resolved once
     cfg = load_recipe(recipe, set_)
     st = Store(store)
     start = time.monotonic()
-    summary = run_pipeline(cfg, store=st, run_id=run_id, recipe_path=str(recipe_path(recipe)),
+    summary = run_pipeline(cfg, store=st, run_id=run_id, recipe_path=str(recipe),
                            from_stage=from_stage, until_stage=until_stage, force=force)
     rid = run_id or cfg.name
     if "eval" in summary:

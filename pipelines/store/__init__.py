@@ -115,6 +115,12 @@ def _is_lock_error(exc: Exception) -> bool:
     return re.search(r"\block\b|being used by another process", str(exc).lower()) is not None
 
 
+def _is_damage(exc: Exception) -> bool:
+    """DuckDB's errors for a damaged file: an I/O error (a truncated copy), a checksum that does
+    not match ("Corrupt database file")."""
+    return isinstance(exc, duckdb.IOException) or "corrupt" in str(exc).lower()
+
+
 _DAMAGED_HINT = ("the file is damaged (an interrupted copy?): restore it from a copy, or pass "
                  "--store FILE (or set PYVISION_STORE) to another DuckDB file")
 
@@ -231,10 +237,9 @@ class Store:
                 return duckdb.connect(str(self.path), read_only=self.read_only)
             except duckdb.Error as exc:
                 if not _is_lock_error(exc):
-                    damaged = isinstance(exc, duckdb.IOException) or "corrupt" in str(exc).lower()
                     raise UserError(f"cannot open the store {self.path} "
                                     f"({str(exc).splitlines()[0][:200]})",
-                                    hint=_DAMAGED_HINT if damaged else
+                                    hint=_DAMAGED_HINT if _is_damage(exc) else
                                     "pass --store FILE (or set PYVISION_STORE) to another "
                                     "DuckDB file") from None
                 holder = lock_holder(str(exc))
@@ -288,7 +293,7 @@ class Store:
                 cols = [d[0] for d in cur.description]
                 return [dict(zip(cols, row)) for row in cur.fetchall()]
             except duckdb.Error as exc:  # a damaged file; a wrong query stays a bug
-                if isinstance(exc, duckdb.IOException) or "corrupt" in str(exc).lower():
+                if _is_damage(exc):
                     raise self._damaged(exc) from None
                 raise
 
@@ -308,19 +313,15 @@ class Store:
         return int(con.execute("SELECT coalesce(max(version), 0) FROM schema_version")
                    .fetchone()[0])
 
-    def _foreign_tables(self, con: duckdb.DuckDBPyConnection) -> list[str]:
-        """Tables of a DuckDB file that pyvision never wrote (no ``schema_version`` beside them):
-        refused rather than read as runs or migrated in place."""
-        names = [r[0] for r in con.execute(
-            "SELECT table_name FROM information_schema.tables WHERE table_schema='main'"
-        ).fetchall()]
-        return [] if "schema_version" in names else sorted(names)
-
     def _refuse_foreign(self, con: duckdb.DuckDBPyConnection) -> None:
-        foreign = self._foreign_tables(con)
-        if foreign:
+        """A DuckDB file with tables that pyvision never wrote (no ``schema_version`` beside
+        them) is refused, rather than read as runs or migrated in place."""
+        names = sorted(r[0] for r in con.execute(
+            "SELECT table_name FROM information_schema.tables WHERE table_schema='main'"
+        ).fetchall())
+        if names and "schema_version" not in names:
             raise UserError(f"{self.path} is a DuckDB database but not a pyvision store (it holds "
-                            f"table '{foreign[0]}' and no schema_version)",
+                            f"table '{names[0]}' and no schema_version)",
                             hint="pass --store FILE (or set PYVISION_STORE) to a pyvision store or "
                                  "a new file")
 
