@@ -1517,12 +1517,26 @@ def spawn(conn_fd: int, limits: dict, preloaded: dict, mode: str, control_fd: in
                 os._exit(0)
         os.close(conn_fd)
         _, status = os.waitpid(worker, 0)
-        # The zygote reads codes above 128 as "killed by signal code - 128".
-        code = 128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+        if os.WIFSIGNALED(status):
+            # Ended the same way, so the zygote sees the signal itself: an exit code cannot
+            # tell ``os._exit(137)`` from a SIGKILL (a memory kill).
+            end_by_signal(os.WTERMSIG(status))
+        code = os.WEXITSTATUS(status)
     except BaseException:  # noqa: BLE001 - report set-up failures through the exit code
         traceback.print_exc()
         code = 71
     os._exit(code)
+
+
+def end_by_signal(sig: int) -> None:
+    """End this process by ``sig`` (its default action, no core file), or, for a signal whose
+    default is not to end it, with the shell's code for it (128 + sig)."""
+    with contextlib.suppress(OSError, ValueError):  # SIGKILL's action cannot be set
+        signal.signal(sig, signal.SIG_DFL)
+    with contextlib.suppress(OSError, ValueError):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [sig])
+        os.kill(os.getpid(), sig)
+    os._exit(128 + sig)
 
 
 def zygote_main(control_fd: int, mode: str) -> None:
@@ -1551,11 +1565,8 @@ def zygote_main(control_fd: int, mode: str) -> None:
                 break
             sid = children.pop(pid, None)
             if sid is not None:
-                if os.WIFSIGNALED(status):
-                    info = {"signal": os.WTERMSIG(status)}
-                else:
-                    code = os.WEXITSTATUS(status)
-                    info = {"signal": code - 128} if code > 128 else {"code": code}
+                info = {"signal": os.WTERMSIG(status)} if os.WIFSIGNALED(status) \
+                    else {"code": os.WEXITSTATUS(status)}
                 try:
                     control.send(json.dumps({"event": "exit", "id": sid, **info}).encode())
                 except OSError:

@@ -55,8 +55,14 @@ _MARKER_ROOM = 96
 # A worker that cannot load its media writes one stderr line "sandbox worker <id>: <reason>" and
 # exits with this code (as in _zygote.py, which cannot import this package).
 SETUP_FAILED_EXIT = 72
-SIGNAL_NAMES = {4: "SIGILL", 6: "SIGABRT", 7: "SIGBUS", 8: "SIGFPE", 9: "SIGKILL",
-                11: "SIGSEGV", 24: "SIGXCPU", 25: "SIGXFSZ"}
+def signal_name(sig: int) -> str:
+    """``SIGSEGV`` for 11; ``signal 99`` for a number this platform does not name."""
+    import signal
+
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return f"signal {sig}"
 
 
 @dataclass(frozen=True)
@@ -408,7 +414,7 @@ class Sandbox:
             return self._failed("oom", f"MemoryError: the sandbox process was killed by SIGKILL, "
                                 f"most likely for exceeding the memory limit "
                                 f"({self.config.memory_mb} MiB)", note, start)
-        what = (f"was killed by {SIGNAL_NAMES.get(sig, f'signal {sig}')}" if sig
+        what = (f"was killed by {signal_name(sig)}" if sig
                 else f"exited with code {info.get('code')}" if info else f"was lost ({exc})")
         return self._failed("crashed", f"The Python runtime crashed: it {what}. It will be "
                             "restarted on the next call, without earlier variables.", note, start)

@@ -825,6 +825,24 @@ def test_output_printed_before_os_exit_is_kept(mode):
         assert "restarted" in s.run("print(1)").stdout
 
 
+@modes
+@pytest.mark.parametrize("code", [137, 139])
+def test_an_exit_code_is_not_read_as_a_signal(mode, code):
+    # 128 + n once read as "killed by signal n": os._exit(137) was reported as a memory kill.
+    with Sandbox(SandboxConfig(isolation=mode, timeout_s=10)) as s:
+        result = s.run(f"import os\nos._exit({code})")
+    assert result.status == "crashed" and f"exited with code {code}" in result.stderr, result
+
+
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGABRT"])
+def test_a_signal_is_named(name):
+    # rlimit mode only: the strict sandbox's worker is pid 1 of its namespace, which a signal
+    # it does not handle leaves running.
+    with Sandbox(SandboxConfig(isolation="rlimit", timeout_s=10)) as s:
+        result = s.run(f"import os, signal\nos.kill(os.getpid(), signal.{name})")
+    assert result.status == "crashed" and f"killed by {name}" in result.stderr, result
+
+
 def test_output_printed_before_a_memory_kill_is_kept():
     # The kernel's OOM killer (or a cgroup) ends a process with SIGKILL; in rlimit mode the code
     # can send itself the same signal (pid 1 of the strict sandbox's namespace cannot).
