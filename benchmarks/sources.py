@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipelines.errors import DataError, UserError, decode_utf8, malformed_json
+from pipelines.errors import DataError, UserError, malformed_json
 
 DATA_SUFFIXES = (".parquet", ".jsonl", ".json", ".tsv")
 # Files that our own tools write next to data; never rows of a benchmark.
@@ -164,11 +164,9 @@ def parquet_rows(path: Path) -> Iterator[dict[str, Any]]:
 def json_records(path: Path) -> list[Any]:
     """The records of a ``.json`` data file: the file's list, or the first list among the values
     of its top-level object (``{"data": [...]}``); malformed JSON is a DataError at its line."""
-    try:
-        data = json.loads(decode_utf8(path.read_bytes(), path))
-    except json.JSONDecodeError as exc:
-        raise DataError(f"{path}:{exc.lineno}: {malformed_json(exc)}",
-                        hint="fix the file or download it again") from None
+    from pipelines.inputs import read_json
+
+    data = read_json(path, "data file", "fix the file or download it again", error=DataError)
     if isinstance(data, dict):
         data = next((v for v in data.values() if isinstance(v, list)), [])
     return data if isinstance(data, list) else []
