@@ -226,13 +226,12 @@ def _decode_attention(module: Any, query: Any, key: Any, value: Any, attention_m
     return out.reshape(b, heads, 1, d).transpose(1, 2), None
 
 
-def _draft_attention(module: Any, query: Any, key: Any, value: Any, mask: Any,
-                     scaling: float | None = None, bias: Any = None,
-                     **kwargs: Any) -> tuple[Any, None]:
+def _draft_attention(module: Any, query: Any, key: Any, value: Any, bias: Any,
+                     scaling: float | None = None, **kwargs: Any) -> tuple[Any, None]:
     """:func:`_decode_attention` for ``T`` queries a row (a token and its draft): grouped KV
-    heads without copies, ``mask`` ``[b, 1, T, L]`` boolean; ``bias`` is :func:`_mask_bias` of
-    it when the caller has it already (one pass's layers share it). The scores are scaled and
-    masked in place: the same values as new tensors would hold, without allocating them."""
+    heads without copies; ``bias`` is :func:`_mask_bias` of the pass's mask (one pass's layers
+    share it). The scores are scaled and masked in place: the same values as new tensors would
+    hold, without allocating them."""
     import torch
 
     b, heads, t, d = query.shape
@@ -241,8 +240,7 @@ def _draft_attention(module: Any, query: Any, key: Any, value: Any, mask: Any,
     q = query.reshape(b, kv_heads, groups * t, d)
     scores = torch.matmul(q, key.transpose(-1, -2)).mul_(
         scaling if scaling is not None else d ** -0.5)
-    scores = scores.view(b, kv_heads, groups, t, -1).add_(
-        _mask_bias(mask, scores.dtype) if bias is None else bias)
+    scores = scores.view(b, kv_heads, groups, t, -1).add_(bias)
     probs = torch.softmax(scores.float(), dim=-1).to(value.dtype).view(b, kv_heads, groups * t, -1)
     out = torch.matmul(probs, value)  # [b, kv_heads, groups * t, d]
     return out.view(b, heads, t, d).transpose(1, 2), None
@@ -361,19 +359,20 @@ class _LeanStep:
         depend on how many rows it has, from four on (fewer runs unpacked). Elsewhere (threads
         split a product's rows by its shape, a GPU picks kernels by shape) they move by float
         rounding, as the drafts already make them. Without it, ``[B, T, V]``."""
-        import functools
-
         from torch.nn.functional import linear
 
-        attention = functools.partial(_draft_attention, bias=_mask_bias(mask, self.embed.dtype))
+        bias = _mask_bias(mask, self.embed.dtype)  # what the attention gets in the mask's place
         if real is not None and int(real.sum()) < _MIN_PACKED:
-            return linear(self._layers(toks, positions, mask, layers, attention), self.head)[real]
-        return linear(self._layers(toks, positions, mask, layers, attention, real), self.head)
+            return linear(self._layers(toks, positions, bias, layers, _draft_attention),
+                          self.head)[real]
+        return linear(self._layers(toks, positions, bias, layers, _draft_attention, real),
+                      self.head)
 
     def _layers(self, ids: Any, positions: Any, mask: Any, layers: list[Any],
                 attention: Callable[..., Any], real: Any = None) -> Any:
         """The decoder over ``ids`` (``[B, T]``): the final hidden states ``[B, T, H]``, or
-        ``[N, H]`` for the positions ``real`` marks (:meth:`verify`)."""
+        ``[N, H]`` for the positions ``real`` marks (:meth:`verify`); ``mask`` goes to
+        ``attention`` as it is (a boolean mask, or :func:`_mask_bias`'s term)."""
         import torch
         from torch.nn.functional import embedding, linear
 

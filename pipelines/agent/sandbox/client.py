@@ -12,6 +12,7 @@ import contextlib
 import io
 import json
 import os
+import signal
 import socket
 import struct
 import threading
@@ -55,10 +56,10 @@ _MARKER_ROOM = 96
 # A worker that cannot load its media writes one stderr line "sandbox worker <id>: <reason>" and
 # exits with this code (as in _zygote.py, which cannot import this package).
 SETUP_FAILED_EXIT = 72
-def signal_name(sig: int) -> str:
-    """``SIGSEGV`` for 11; ``signal 99`` for a number this platform does not name."""
-    import signal
 
+
+def _signal_name(sig: int) -> str:
+    """``SIGSEGV`` for 11; ``signal 99`` for a number this platform does not name."""
     try:
         return signal.Signals(sig).name
     except ValueError:
@@ -414,7 +415,7 @@ class Sandbox:
             return self._failed("oom", f"MemoryError: the sandbox process was killed by SIGKILL, "
                                 f"most likely for exceeding the memory limit "
                                 f"({self.config.memory_mb} MiB)", note, start)
-        what = (f"was killed by {signal_name(sig)}" if sig
+        what = (f"was killed by {_signal_name(sig)}" if sig
                 else f"exited with code {info.get('code')}" if info else f"was lost ({exc})")
         return self._failed("crashed", f"The Python runtime crashed: it {what}. It will be "
                             "restarted on the next call, without earlier variables.", note, start)
