@@ -469,10 +469,37 @@ def _preload() -> dict:
     try:
         import decord
 
+        _decode_on_one_thread(decord)
         mods["decord"] = decord
     except ImportError:
         pass
     return mods
+
+
+# Decoder threads of a sandbox's video readers. decord's default (num_threads=0) lets FFmpeg start
+# one per CPU plus one: 17 on a 16-core GPU node, past the sandbox's process limit
+# (max_processes, 16), where opening the video then fails with EAGAIN ("Resource temporarily
+# unavailable"). Sandboxes run side by side, one per trajectory, so one thread each is enough.
+DECODE_THREADS = 1
+
+
+def _decode_on_one_thread(decord) -> None:
+    """Make ``decord.VideoReader`` decode on ``DECODE_THREADS`` unless the caller names
+    ``num_threads``: the reader of the task's video and any the model's code opens."""
+    base = decord.VideoReader
+    if getattr(base, "_pyvision_threads", False):
+        return
+
+    class VideoReader(base):  # type: ignore[misc, valid-type]
+        __doc__ = base.__doc__
+        _pyvision_threads = True
+
+        def __init__(self, uri, *args, **kwargs):
+            if len(args) < 4:  # (ctx, width, height, num_threads) positionally names the threads
+                kwargs.setdefault("num_threads", DECODE_THREADS)
+            super().__init__(uri, *args, **kwargs)
+
+    decord.VideoReader = VideoReader
 
 
 def _warm_up(preloaded: dict) -> None:

@@ -297,13 +297,19 @@ class Sandbox:
                 info = self._zygote.wait_exit(self._sid, 2.0)
             reason = self._zygote.worker_failure(self._sid, 0.5)
             if reason or (info and info.get("code") == SETUP_FAILED_EXIT):
-                raise SandboxSetupError(
-                    reason or "the sandbox could not load its media",
-                    hint="install decord==0.6.0 for the Python that runs pyvision and check the "
-                         "video file; `pyvision doctor` checks the sandbox") from None
+                raise SandboxSetupError(reason or "the sandbox could not load its media",
+                                        hint=self._setup_hint(reason)) from None
             raise RuntimeError(f"sandbox failed to start ({exc}; exit {info}); zygote log: "
                                + " | ".join(self._zygote.stderr_tail[-5:])) from None
         self._sock = sock
+
+    def _setup_hint(self, reason: str | None) -> str:
+        if reason and "Resource temporarily unavailable" in reason:  # EAGAIN: out of tasks
+            return (f"the sandbox may run {self.config.max_processes} processes and threads "
+                    "(sandbox.max_processes); raise it, e.g. --set sandbox.max_processes="
+                    f"{2 * self.config.max_processes}")
+        return ("install decord==0.6.0 for the Python that runs pyvision and check the video "
+                "file; `pyvision doctor` checks the sandbox")
 
     def run(self, code: str) -> ExecResult:
         """Run ``code`` in the persistent runtime; never raises for anything the code does."""

@@ -625,6 +625,34 @@ def test_video_frame_sampling(tmp_path):
         assert len(s.run("plt.imshow(video_clue_0[3].asnumpy()); plt.show()").images) == 1
 
 
+@strict
+def test_videos_open_within_a_small_process_limit(tmp_path):
+    """Under bwrap the process limit binds (a private uid): FFmpeg's default of one decoder
+    thread per CPU plus one took 17 tasks on a 16-core GPU node, past max_processes=16, and the
+    task's video failed to open. Five tasks are enough for two readers on any machine: readers decode on one
+    thread, the model's own ones too, unless the code asks for more. (On the old default this
+    fails on any machine with two or more CPUs.)"""
+    video = tmp_path / "clip.mp4"
+    _tiny_mp4(video)
+    with Sandbox(SandboxConfig(isolation="bwrap", max_processes=5, timeout_s=10),
+                 videos={"video_clue_0": video}) as s:
+        out = _ok(s.run("import decord\nmine = decord.VideoReader('video_clue_0.mp4')\n"
+                        "print(len(video_clue_0), len(mine), mine[11].shape)"))
+    assert out.split() == ["12", "12", "(48,", "64,", "3)"]
+
+
+@strict
+def test_a_video_past_the_process_limit_names_the_limit(tmp_path):
+    from pipelines.agent.sandbox import SandboxSetupError
+
+    video = tmp_path / "clip.mp4"
+    _tiny_mp4(video)
+    with pytest.raises(SandboxSetupError, match="decord cannot open video_clue_0.*Fix: .*"
+                                                "sandbox.max_processes=6"):
+        Sandbox(SandboxConfig(isolation="bwrap", max_processes=3, timeout_s=10),
+                videos={"video_clue_0": video})
+
+
 def test_bad_media_is_reported_before_running(tmp_path):
     with pytest.raises(DataError, match="not found"):
         Sandbox(images={"image_clue_0": tmp_path / "missing.png"})
