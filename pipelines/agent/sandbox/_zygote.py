@@ -40,6 +40,7 @@ import threading
 import time
 import traceback
 import weakref
+from collections.abc import Callable
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWUTS = 0x04000000
@@ -414,15 +415,48 @@ def deny_uncounted_memory() -> bool:
     return libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0) == 0
 
 
-def apply_rlimits(limits: dict) -> None:
+def apply_rlimits(limits: dict, mode: str) -> None:
     mb = 1024 * 1024
     resource.setrlimit(resource.RLIMIT_AS, (limits["memory_mb"] * mb,) * 2)
     cpu = int(limits["cpu_seconds"])
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-    resource.setrlimit(resource.RLIMIT_NPROC, (limits["max_processes"],) * 2)
+    nproc = process_limit(limits["max_processes"], mode, os.getuid(), tasks_of_user)
+    resource.setrlimit(resource.RLIMIT_NPROC, (nproc,) * 2)
     resource.setrlimit(resource.RLIMIT_FSIZE, (limits["max_file_mb"] * mb,) * 2)
     resource.setrlimit(resource.RLIMIT_NOFILE, (limits["max_open_files"],) * 2)
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
+def process_limit(max_processes: int, mode: str, uid: int, tasks: Callable[[int], int]) -> int:
+    """The RLIMIT_NPROC that lets a sandbox start ``max_processes`` processes and threads.
+
+    The kernel counts a user's tasks, not a process tree's. In strict mode each sandbox is its own
+    user namespace, where the count starts at its own tasks, and as root nothing is enforced, so
+    the limit is ``max_processes``. In rlimit mode as any other user the count holds every task of
+    that user on the machine (a Ray node, the training job, the other sandboxes): a bare limit of
+    16 failed every sandbox's first thread wherever the user already ran 16 tasks. There the
+    limit is the user's tasks now plus ``max_processes``: still a bound on a fork bomb, shared
+    with the user's other processes, as everything is in a mode that is no security boundary."""
+    if mode == "strict" or uid == 0:
+        return max_processes
+    return tasks(uid) + max_processes
+
+
+def tasks_of_user(uid: int) -> int:
+    """Tasks (processes and their threads) whose real uid is ``uid``: what RLIMIT_NPROC counts."""
+    count = 0
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/status", "rb") as fh:
+                status = fh.read()
+        except OSError:  # ended meanwhile, or not readable
+            continue
+        fields = dict(line.split(b":", 1) for line in status.splitlines() if b":" in line)
+        if int(fields.get(b"Uid", b"-1").split()[0]) == uid:
+            count += int(fields.get(b"Threads", b"1"))
+    return count
 
 
 # -- the runtime the model's code sees ----------------------------------------------------------
@@ -1533,7 +1567,7 @@ def spawn(conn_fd: int, limits: dict, preloaded: dict, mode: str, control_fd: in
             # Sized before the file-size rlimit applies (it bounds memfds too).
             output_fd = os.memfd_create("pyvision-output", os.MFD_CLOEXEC)
             os.ftruncate(output_fd, output_buffer_size(int(limits["max_output_chars"])))
-            apply_rlimits(limits)
+            apply_rlimits(limits, mode)
             deny_uncounted_memory()  # after the output buffer's memfd, before any thread
             libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
             setup_fd = os.dup(2)

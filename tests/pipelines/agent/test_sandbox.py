@@ -9,6 +9,7 @@ import io
 import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -1191,3 +1192,78 @@ def test_a_sandbox_process_keeps_only_the_descriptors_it_is_given(proc):
         seen = json.loads(fh.read())
     _, status = os.waitpid(pid, 0)
     assert status == 0 and seen["left"] == seen["keep"] and len(seen["keep"]) == 2
+
+
+def test_the_process_limit_counts_the_user_s_other_tasks_only_where_the_kernel_does():
+    """RLIMIT_NPROC counts all of a user's tasks. As a non-root user in rlimit mode a bare limit of
+    16 failed every sandbox's first thread once that user ran 16 tasks anywhere (a Ray node), so
+    there the limit is the user's tasks now plus max_processes; strict sandboxes (a user namespace
+    each) and root (never enforced) keep the bare limit."""
+    from pipelines.agent.sandbox._zygote import process_limit
+
+    def tasks(uid):
+        return {1000: 300}[uid]
+
+    assert process_limit(16, "rlimit", 1000, tasks) == 316
+    assert process_limit(16, "strict", 1000, tasks) == 16
+    assert process_limit(16, "rlimit", 0, tasks) == 16
+
+
+def test_the_tasks_of_a_user_include_threads_and_new_processes():
+    import threading
+
+    from pipelines.agent.sandbox._zygote import tasks_of_user
+
+    before = tasks_of_user(os.getuid())
+    stop = threading.Event()
+    threads = [threading.Thread(target=stop.wait) for _ in range(3)]
+    kids = [subprocess.Popen(["sleep", "30"]) for _ in range(4)]
+    try:
+        for t in threads:
+            t.start()
+        during = tasks_of_user(os.getuid())
+    finally:
+        stop.set()
+        for k in kids:
+            k.kill()
+            k.wait()
+        for t in threads:
+            t.join()
+    assert during >= before + 7
+    assert tasks_of_user(65533) == 0  # nobody runs as this uid here
+
+
+_AS_NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "env", "HOME=/tmp"]
+_BUSY_USER = """
+import subprocess, sys
+kids = [subprocess.Popen(["sleep", "60"]) for _ in range(24)]  # more tasks than the limit, 16
+from pipelines.agent.sandbox import Sandbox, shutdown
+from pipelines.config.sandbox import SandboxConfig
+try:
+    with Sandbox(SandboxConfig(isolation="rlimit", timeout_s=10)) as s:
+        print(s.run("print(6 * 7)").stdout.strip())
+finally:
+    shutdown()
+    for k in kids:
+        k.kill()
+"""
+
+
+def _nobody_can_run_python() -> bool:
+    if os.getuid() != 0:
+        return False
+    try:
+        probe = subprocess.run([*_AS_NOBODY, sys.executable, "-c", "import pipelines"],
+                               check=False, cwd=REPO, capture_output=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return probe.returncode == 0
+
+
+def test_a_busy_non_root_user_gets_rlimit_sandboxes():
+    if not _nobody_can_run_python():
+        pytest.skip("needs root, setpriv, and this Python and checkout readable by nobody")
+    out = subprocess.run([*_AS_NOBODY, sys.executable, "-W", "ignore", "-c", _BUSY_USER],
+                         check=False, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-1] == "42"
