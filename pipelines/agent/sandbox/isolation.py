@@ -33,7 +33,9 @@ What is not isolated
 Without bubblewrap (``isolation: rlimit``, or ``auto`` when bwrap is missing or cannot create
 namespaces) only the rlimits, a process-group kill and a temporary working directory apply, and a
 loud warning says so: that mode is **no security boundary** (the code can read the user's files
-and reach the network).
+and reach the network). Its process limit is shared too: for a user other than root the kernel
+counts all of that user's tasks, so a sandbox may start ``max_processes`` beyond those the user
+runs when it starts (``_zygote.process_limit``).
 """
 
 from __future__ import annotations
