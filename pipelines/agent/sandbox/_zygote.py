@@ -1571,7 +1571,11 @@ def spawn(conn_fd: int, limits: dict, preloaded: dict, mode: str, control_fd: in
             deny_uncounted_memory()  # after the output buffer's memfd, before any thread
             libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
             setup_fd = os.dup(2)
-            _pumps.start()
+            try:
+                _pumps.start()
+            except RuntimeError as exc:  # no thread: the process limit is reached already
+                _setup_failed(setup_fd, sid, f"the runtime cannot start its output thread ({exc}: "
+                                             "Resource temporarily unavailable)")
             try:
                 worker_main(sock, limits, preloaded, mode, setup_fd, sid, output_fd)
             finally:

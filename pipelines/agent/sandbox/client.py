@@ -305,9 +305,9 @@ class Sandbox:
 
     def _setup_hint(self, reason: str | None) -> str:
         if reason and "Resource temporarily unavailable" in reason:  # EAGAIN: out of tasks
-            return (f"the sandbox may run {self.config.max_processes} processes and threads "
-                    "(sandbox.max_processes); raise it, e.g. --set sandbox.max_processes="
-                    f"{2 * self.config.max_processes}")
+            n = self.config.max_processes
+            return (f"sandbox.max_processes ({n}) bounds the processes and threads a sandbox "
+                    f"runs; raise it, e.g. --set sandbox.max_processes={max(2 * n, 16)}")
         return ("install decord==0.6.0 for the Python that runs pyvision and check the video "
                 "file; `pyvision doctor` checks the sandbox")
 

@@ -649,9 +649,20 @@ def test_a_video_past_the_process_limit_names_the_limit(tmp_path):
     video = tmp_path / "clip.mp4"
     _tiny_mp4(video)
     with pytest.raises(SandboxSetupError, match="decord cannot open video_clue_0.*Fix: .*"
-                                                "sandbox.max_processes=6"):
+                                                "sandbox.max_processes=16"):
         Sandbox(SandboxConfig(isolation="bwrap", max_processes=3, timeout_s=10),
                 videos={"video_clue_0": video})
+
+
+@strict
+def test_a_sandbox_without_room_for_its_own_thread_names_the_limit():
+    """Its output thread failed after fd 2 already pointed into the capture: the traceback was
+    lost and the host said only "sandbox failed to start (... exit 71)"."""
+    from pipelines.agent.sandbox import SandboxSetupError
+
+    with pytest.raises(SandboxSetupError, match="cannot start its output thread.*Fix: "
+                                                "sandbox.max_processes \\(2\\).*=16"):
+        Sandbox(SandboxConfig(isolation="bwrap", max_processes=2, timeout_s=10))
 
 
 def test_bad_media_is_reported_before_running(tmp_path):
