@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import fcntl
 import io
 import json
@@ -1575,7 +1576,7 @@ def spawn(conn_fd: int, limits: dict, preloaded: dict, mode: str, control_fd: in
                 _pumps.start()
             except RuntimeError as exc:  # no thread: the process limit is reached already
                 _setup_failed(setup_fd, sid, f"the runtime cannot start its output thread ({exc}: "
-                                             "Resource temporarily unavailable)")
+                                             f"{os.strerror(errno.EAGAIN)})")
             try:
                 worker_main(sock, limits, preloaded, mode, setup_fd, sid, output_fd)
             finally:

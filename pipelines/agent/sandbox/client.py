@@ -9,6 +9,7 @@ crashes still returns what the code printed before.
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import json
 import os
@@ -304,7 +305,7 @@ class Sandbox:
         self._sock = sock
 
     def _setup_hint(self, reason: str | None) -> str:
-        if reason and "Resource temporarily unavailable" in reason:  # EAGAIN: out of tasks
+        if reason and os.strerror(errno.EAGAIN) in reason:  # out of processes and threads
             n = self.config.max_processes
             return (f"sandbox.max_processes ({n}) bounds the processes and threads a sandbox "
                     f"runs; raise it, e.g. --set sandbox.max_processes={max(2 * n, 16)}")
