@@ -1220,28 +1220,40 @@ def test_the_process_limit_counts_the_user_s_other_tasks_only_where_the_kernel_d
     assert process_limit(16, "rlimit", 0, tasks) == 16
 
 
-def test_the_tasks_of_a_user_include_threads_and_new_processes():
-    import threading
-
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to run processes as another uid")
+def test_the_tasks_of_a_user_include_threads_and_processes():
+    """Counted for a uid nobody else uses here, so other processes ending cannot move it."""
     from pipelines.agent.sandbox._zygote import tasks_of_user
 
-    before = tasks_of_user(os.getuid())
-    stop = threading.Event()
-    threads = [threading.Thread(target=stop.wait) for _ in range(3)]
-    kids = [subprocess.Popen(["sleep", "30"]) for _ in range(4)]
+    uid = 65532
+    assert tasks_of_user(uid) == 0
+    ready, done = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # a process of that uid with three threads besides its own
+        try:
+            os.setgid(uid)
+            os.setuid(uid)
+            import threading
+
+            for _ in range(3):
+                threading.Thread(target=time.sleep, args=(30,), daemon=True).start()
+            os.write(done, b"x")
+            time.sleep(30)
+        finally:
+            os._exit(0)
+    sleeps = [subprocess.Popen(["sleep", "30"], user=uid, group=uid) for _ in range(2)]
     try:
-        for t in threads:
-            t.start()
-        during = tasks_of_user(os.getuid())
+        os.read(ready, 1)
+        assert tasks_of_user(uid) == 1 + 3 + 2
     finally:
-        stop.set()
-        for k in kids:
-            k.kill()
-            k.wait()
-        for t in threads:
-            t.join()
-    assert during >= before + 7
-    assert tasks_of_user(65533) == 0  # nobody runs as this uid here
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        for p in sleeps:
+            p.kill()
+            p.wait()
+        os.close(ready)
+        os.close(done)
+    assert tasks_of_user(uid) == 0
 
 
 _AS_NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "env", "HOME=/tmp"]
