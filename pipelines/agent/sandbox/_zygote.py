@@ -520,14 +520,12 @@ DECODE_THREADS = 1
 
 def _decode_on_one_thread(decord) -> None:
     """Make ``decord.VideoReader`` decode on ``DECODE_THREADS`` unless the caller names
-    ``num_threads``: the reader of the task's video and any the model's code opens."""
+    ``num_threads``: the reader of the task's video and any the model's code opens. Called once,
+    by the zygote's :func:`_preload`."""
     base = decord.VideoReader
-    if getattr(base, "_pyvision_threads", False):
-        return
 
     class VideoReader(base):  # type: ignore[misc, valid-type]
         __doc__ = base.__doc__
-        _pyvision_threads = True
 
         def __init__(self, uri, *args, **kwargs):
             if len(args) < 4:  # (ctx, width, height, num_threads) positionally names the threads

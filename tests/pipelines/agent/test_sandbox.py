@@ -630,9 +630,9 @@ def test_video_frame_sampling(tmp_path):
 def test_videos_open_within_a_small_process_limit(tmp_path):
     """Under bwrap the process limit binds (a private uid): FFmpeg's default of one decoder
     thread per CPU plus one took 17 tasks on a 16-core GPU node, past max_processes=16, and the
-    task's video failed to open. Five tasks are enough for two readers on any machine: readers decode on one
-    thread, the model's own ones too, unless the code asks for more. (On the old default this
-    fails on any machine with two or more CPUs.)"""
+    task's video failed to open. Five tasks are enough for two readers on any machine: readers
+    decode on one thread, the model's own ones too, unless the code asks for more. (On the old
+    default this fails on any machine with two or more CPUs.)"""
     video = tmp_path / "clip.mp4"
     _tiny_mp4(video)
     with Sandbox(SandboxConfig(isolation="bwrap", max_processes=5, timeout_s=10),
@@ -1284,6 +1284,10 @@ def _nobody_can_run_python() -> bool:
 
 
 def test_a_busy_non_root_user_gets_rlimit_sandboxes():
+    """The whole path as the user it broke for: nobody, running 24 other tasks, starts an rlimit
+    sandbox. It needs root to become nobody and a Python that nobody may execute; where the
+    interpreter lives under a private home (CI's /root is 700) it skips, and the two tests above
+    still check the rule and the count it rests on."""
     if not _nobody_can_run_python():
         pytest.skip("needs root, setpriv, and this Python and checkout readable by nobody")
     out = subprocess.run([*_AS_NOBODY, sys.executable, "-W", "ignore", "-c", _BUSY_USER],
