@@ -118,9 +118,9 @@ def sessions(policy):
     apart = decode._prefill_apart
     split: list[tuple[list[list[int]], list[int]]] = []
 
-    def spy(model, groups, *args):
+    def spy(model, step, groups, *args):
         split.append((groups, list(args[-2])))  # the groups and each row's new images
-        return apart(model, groups, *args)
+        return apart(model, step, groups, *args)
 
     decode._prefill_apart = spy
     try:
