@@ -197,11 +197,21 @@ class _LogTail:
         return out
 
 
+# ``python -m llamafactory.cli``, except that wandb stays unimported. LLaMA-Factory reports to
+# nothing here (``report_to: none``: a run's trackers are this project's own), yet importing its
+# trainers imports wandb wherever it is installed (trl asks transformers' ``is_wandb_available``,
+# which imports it to check): 8 of the 24-27 s that the import took on a two-core machine. With
+# None in ``sys.modules``, ``find_spec`` reports it absent.
+_LAUNCH = ("import runpy, sys; sys.modules['wandb'] = None; "
+           "runpy.run_module('llamafactory.cli', run_name='__main__', alter_sys=True)")
+
+
 def run_llamafactory(command: str, config_path: Path, *, python: str, log_path: Path,
                      on_log: Callable[[dict[str, Any]], None] | None = None,
                      trainer_log: Path | None = None, env: Mapping[str, str] | None = None,
                      poll_s: float = 0.5, skip_existing_log: bool = False) -> None:
-    """Run ``python -m llamafactory.cli COMMAND CONFIG``, teeing output to ``log_path``.
+    """Run ``python -m llamafactory.cli COMMAND CONFIG`` (without wandb: :data:`_LAUNCH`),
+    teeing output to ``log_path``.
 
     ``on_log`` is called with each new trainer_log.jsonl line while the process runs. A non-zero
     exit prints the log's tail to stderr and raises :class:`SubprocessFailed` naming the log.
@@ -210,7 +220,7 @@ def run_llamafactory(command: str, config_path: Path, *, python: str, log_path: 
     full_env.update({"WANDB_DISABLED": "true", "WANDB_MODE": "disabled",
                      "DISABLE_VERSION_CHECK": "1", "TOKENIZERS_PARALLELISM": "false"})
     full_env.update(env or {})
-    run_streaming([python, "-m", "llamafactory.cli", command, str(config_path)],
+    run_streaming([python, "-c", _LAUNCH, command, str(config_path)],
                   name=f"LLaMA-Factory {command}", cwd=config_path.parent, log_path=log_path,
                   env=full_env, follow=trainer_log, on_log=on_log, poll_s=poll_s,
                   skip_existing_log=skip_existing_log,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import sys
 from pathlib import Path
 
 import pytest
@@ -112,6 +113,28 @@ def test_failing_run_shows_tail_and_log_path(tmp_path, capsys):
     assert "ValueError: something LLaMA-Factory did not like" in stderr
     assert "log line 40" in stderr and "log line 1\n" not in stderr  # only the tail
     assert not sd.is_complete()
+
+
+def test_llamafactory_runs_as_its_cli_module_without_importing_wandb(tmp_path):
+    """The engine starts as ``python -m llamafactory.cli COMMAND CONFIG`` would (its module as
+    ``__main__``, the same arguments), but wandb, installed here, reads as absent in it."""
+    import importlib.util
+
+    assert importlib.util.find_spec("wandb") is not None  # installed: the check could fail
+    fake = tmp_path / "pkgs" / "llamafactory"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / "cli.py").write_text(
+        "import importlib.util, json, sys\n"
+        "print(json.dumps({'name': __name__, 'args': sys.argv[1:],"
+        " 'wandb': importlib.util.find_spec('wandb') is not None}))\n")
+    config = tmp_path / "train.yaml"
+    config.write_text("{}\n")
+    log = tmp_path / "lf.log"
+    lf.run_llamafactory("train", config, python=sys.executable, log_path=log,
+                        env={"PYTHONPATH": str(fake.parent)})
+    seen = json.loads(log.read_text().strip().splitlines()[-1])
+    assert seen == {"name": "__main__", "args": ["train", str(config)], "wandb": False}
 
 
 def test_missing_interpreter_is_a_user_error(tmp_path):
