@@ -57,6 +57,34 @@ def test_deterministic_prefix_stable_and_splits_disjoint(tmp_path, image_set):
         assert not imgs & {f.read_bytes() for f in (prefix / "media").iterdir()}
 
 
+def test_tasks_made_on_threads_are_the_bytes_made_on_one(tmp_path, image_set, monkeypatch):
+    """Tasks are made two at a time (their media encoding releases the GIL); the set is the
+    one a single thread makes, and a task that fails ends the set with nothing written."""
+    from pipelines.data import synth, synth_image
+
+    monkeypatch.setattr(synth, "_SYNTH_THREADS", 1)
+    one = tmp_path / "one"
+    synthesize("image-search", 10, 7, one, families=FAMILIES["image-search"], progress=False)
+    assert (one / "tasks.jsonl").read_bytes() == (image_set / "tasks.jsonl").read_bytes()
+    assert sorted(p.name for p in (one / "media").iterdir()) == \
+        sorted(p.name for p in (image_set / "media").iterdir())
+    for f in (image_set / "media").iterdir():
+        assert (one / "media" / f.name).read_bytes() == f.read_bytes()
+
+    monkeypatch.setattr(synth, "_SYNTH_THREADS", 2)
+    real = synth_image.make_image_task
+
+    def make(family, rng, index, split, root):
+        if index == 6:
+            raise OSError("disk full")
+        return real(family, rng, index, split, root)
+
+    monkeypatch.setattr(synth_image, "make_image_task", make)
+    with pytest.raises(OSError, match="disk full"):
+        synthesize("image-search", 40, 7, tmp_path / "broken", progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["one"]  # no set, no temporary folder
+
+
 def test_videos_are_repeatable_and_lossless(tmp_path, video_set):
     """The same seed gives the same clip bytes (the lossy encoder did not), and every decoded
     frame holds exactly the palette colours that were drawn."""
