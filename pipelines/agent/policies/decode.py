@@ -801,8 +801,7 @@ def _prefill(model: Any, step: _LeanStep | None, ids: Any, attn: Any, positions:
 
 
 def _prefill_apart(model: Any, step: _LeanStep | None, groups: list[list[int]], cache: Any,
-                   ids: Any, attn: Any,
-                   positions: Any, vision: dict[str, Any], past: Past,
+                   ids: Any, attn: Any, positions: Any, vision: dict[str, Any], past: Past,
                    row_images: Sequence[int], count: Counter[str]) -> tuple[Any, Any]:
     """Prefill each group of rows on its own (only as wide as its own rows need, over only its
     own cached states), then gather every row's states into ``cache`` right-aligned, in batch

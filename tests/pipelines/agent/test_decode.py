@@ -209,6 +209,36 @@ def test_the_lean_decode_step_gives_the_reference_tokens_and_logprobs(policy, wi
     assert len({len(toks) for toks, _, _ in runs[0]}) > 1  # the rows did stop at different steps
 
 
+def test_the_lean_prefill_leaves_the_models_logits_and_states_bit_for_bit(policy):
+    """A prefill through the lean step (no ``model(...)``) gives the logits and KV states the
+    model's own forward gives, bit for bit: a left-padded text batch from nothing, then a batch
+    with images of different sizes over those states."""
+    from pipelines.agent.policies import decode
+
+    step = decode.lean_step(policy.model)
+    if step is None:  # Qwen3-VL keeps the model's own forward
+        assert type(policy.model).__name__ != "Qwen2_5_VLForConditionalGeneration"
+        return
+    ids1, attn1, _ = _batch(policy, _handles(policy, False))
+    ids2, attn2, vision = _batch(policy, _handles(policy, True))
+    pos1 = decode.initial_positions(policy.model, ids1, attn1, {})
+    pos2 = decode.initial_positions(policy.model, ids2, attn2, vision) + int(pos1.max()) + 1
+
+    def run(lean):
+        cache = decode._growing_cache(policy.model)
+        with torch.no_grad(), decode._use_decode_attention(policy.model):
+            first = decode._prefill(policy.model, lean, ids1, attn1, pos1, cache, {})
+            second = decode._prefill(policy.model, lean, ids2, torch.cat([attn1, attn2], dim=1),
+                                     pos2, cache, vision)
+        states = [t[:, :, : layer.length] for layer in cache.layers
+                  for t in (layer.keys, layer.values)]
+        return [first, second, *states]
+
+    lean, reference = run(step), run(None)
+    assert lean[2].shape[2] == ids1.shape[1] + ids2.shape[1]
+    assert all(torch.equal(a, b) for a, b in zip(lean, reference, strict=True))
+
+
 def test_a_model_with_a_forward_hook_takes_the_reference_path(policy):
     from pipelines.agent.policies.decode import lean_step
 
