@@ -58,7 +58,12 @@ def resolve_sft_inputs(recipe: Recipe, sd: StageDir, *, model: str | None = None
         raise UserError(f"dataset '{dataset}' is not in {info} (it has: {', '.join(names)})",
                         hint="pass --dataset with one of those names")
     _check_dataset_entry(info, dataset, names[dataset])
-    return model, str(dataset_dir), dataset
+    # LLaMA-Factory runs in the stage's folder: a relative local path would point elsewhere
+    # there (and a relative model folder would be read as a hub id).
+    local = Path(model).expanduser()
+    if local.exists():
+        model = str(local.resolve())
+    return model, str(Path(dataset_dir).expanduser().resolve()), dataset
 
 
 # Where LLaMA-Factory's dataset_info.json says a dataset's rows come from.

@@ -90,6 +90,27 @@ def test_real_llamafactory_run_on_nano(tiny_model_dir, tmp_path):
                            base["model.language_model.layers.0.mlp.up_proj.weight"])
 
 
+def test_relative_model_and_dataset_paths_reach_llamafactory_absolute(tiny_model_dir, tmp_path,
+                                                                       monkeypatch):
+    # LLaMA-Factory runs in the stage's folder: a relative `--model runs/x/base-model` there
+    # named nothing, and was read as a malformed hub id.
+    from pipelines.sft.stage import resolve_sft_inputs
+
+    make_sharegpt(tmp_path / "work" / "data")
+    (tmp_path / "work" / "base").symlink_to(tiny_model_dir)
+    monkeypatch.chdir(tmp_path / "work")
+    recipe = _tiny_sft_recipe()
+    sd = stage_dir(recipe, "sft", "rel", runs_dir=tmp_path / "runs", store=None)
+    model, ds_dir, name = resolve_sft_inputs(recipe, sd, model="base", dataset_dir="data",
+                                             dataset="pyvision_sft")
+    assert model == str(tiny_model_dir.resolve())
+    assert ds_dir == str((tmp_path / "work" / "data").resolve()) and name == "pyvision_sft"
+    # A hub id stays a hub id.
+    hub, _, _ = resolve_sft_inputs(recipe, sd, model="Qwen/Qwen2.5-VL-7B-Instruct",
+                                   dataset_dir="data", dataset="pyvision_sft")
+    assert hub == "Qwen/Qwen2.5-VL-7B-Instruct"
+
+
 def _fake_python(tmp_path: Path, code: int) -> str:
     script = tmp_path / "fake-python"
     script.write_text("#!/bin/sh\nfor i in $(seq 1 40); do echo \"log line $i\"; done\n"
