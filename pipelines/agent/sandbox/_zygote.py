@@ -375,37 +375,48 @@ class _SockFprog(ctypes.Structure):
 
 PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
 SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO = 0x7FFF0000, 0x00050000
-# Memory that RLIMIT_AS does not count once unmapped: memfd_create and memfd_secret (pages of a
-# file held by a descriptor) and SysV shmget (a segment outlives its mapping). Refused with EPERM
-# by a seccomp filter, per architecture (the audit value seccomp reports: syscall numbers).
-NO_RLIMIT_MEMORY_SYSCALLS = {
-    "x86_64": (0xC000003E, (319, 447, 29)),
-    "aarch64": (0xC00000B7, (279, 447, 194)),
+# What a seccomp filter refuses with EPERM in every mode, per architecture (the audit value
+# seccomp reports, then syscall numbers):
+# - memory that RLIMIT_AS does not count once unmapped: memfd_create and memfd_secret (pages of a
+#   file held by a descriptor) and SysV shmget (a segment outlives its mapping);
+# - io_uring_setup: a ring's operations open sockets and files without the system calls below;
+# - socket() for any family but AF_UNIX (the socket library's own, as for the worker's link to
+#   the host): no network, even in rlimit mode, which has no network namespace.
+SECCOMP_RULES = {
+    "x86_64": (0xC000003E, (319, 447, 29, 425), 41),
+    "aarch64": (0xC00000B7, (279, 447, 194, 425), 198),
 }
 _X32_BIT = 0x40000000  # x86_64's x32 ABI: the same calls by other numbers; Python never uses it
+_AF_UNIX = 1
 
 
-def seccomp_program(arch: int, denied: tuple[int, ...]) -> list[tuple[int, int, int, int]]:
-    """The classic-BPF program (code, jt, jf, k) that refuses ``denied`` with EPERM on ``arch``
-    and allows every other call (a call of another architecture too: nothing to compare)."""
+def seccomp_program(arch: int, denied: tuple[int, ...],
+                    socket_nr: int) -> list[tuple[int, int, int, int]]:
+    """The classic-BPF program (code, jt, jf, k) that refuses ``denied`` and ``socket_nr`` (the
+    socket call) for every address family but AF_UNIX with EPERM on ``arch``, and allows every
+    other call (a call of another architecture too: nothing to compare)."""
     ld_abs, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06
     k = len(denied)
     deny = SECCOMP_RET_ERRNO | 1  # EPERM
+    # Jumps count the instructions skipped: ALLOW is at index k + 7, DENY at k + 8.
     prog = [(ld_abs, 0, 0, 4),  # seccomp_data.arch
-            (jeq, 0, k + 2, arch),  # another architecture: to ALLOW
+            (jeq, 0, k + 5, arch),  # another architecture: to ALLOW
             (ld_abs, 0, 0, 0),  # seccomp_data.nr
-            (jge, k + 1, 0, _X32_BIT)]  # an x32 call: to DENY
-    prog += [(jeq, k - i, 0, nr) for i, nr in enumerate(denied)]
+            (jge, k + 4, 0, _X32_BIT)]  # an x32 call: to DENY
+    prog += [(jeq, k + 3 - i, 0, nr) for i, nr in enumerate(denied)]
+    prog += [(jeq, 0, 2, socket_nr),  # not socket(): to ALLOW
+             (ld_abs, 0, 0, 16),  # the low word of args[0], the family (an int)
+             (jeq, 0, 1, _AF_UNIX)]  # AF_UNIX: to ALLOW, else to DENY
     return [*prog, (ret, 0, 0, SECCOMP_RET_ALLOW), (ret, 0, 0, deny)]
 
 
-def deny_uncounted_memory() -> bool:
-    """Install the seccomp filter of ``NO_RLIMIT_MEMORY_SYSCALLS`` for this process and the
-    threads and processes it starts after; False where it cannot (another architecture, a
-    kernel without seccomp), and the limits stay the rlimits alone."""
+def install_seccomp_filter() -> bool:
+    """Install the seccomp filter of ``SECCOMP_RULES`` for this process and the threads and
+    processes it starts after; False where it cannot (another architecture, a kernel without
+    seccomp), and the limits stay the rlimits (and in strict mode the namespaces) alone."""
     import platform
 
-    known = NO_RLIMIT_MEMORY_SYSCALLS.get(platform.machine())
+    known = SECCOMP_RULES.get(platform.machine())
     if known is None:
         return False
     program = seccomp_program(*known)
@@ -1567,7 +1578,7 @@ def spawn(conn_fd: int, limits: dict, preloaded: dict, mode: str, control_fd: in
             output_fd = os.memfd_create("pyvision-output", os.MFD_CLOEXEC)
             os.ftruncate(output_fd, output_buffer_size(int(limits["max_output_chars"])))
             apply_rlimits(limits, mode)
-            deny_uncounted_memory()  # after the output buffer's memfd, before any thread
+            install_seccomp_filter()  # after the output buffer's memfd, before any thread
             libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
             setup_fd = os.dup(2)
             try:

@@ -14,7 +14,8 @@ What is isolated (``isolation: bwrap``, the default where bubblewrap works)
   core dumps. A wall-clock timeout kills the sandbox's pid 1, which takes every process it
   started with it (double-forked daemons included); when a call returns, pid 1 ends every
   process the call left running. A seccomp filter refuses ``memfd_create``, ``memfd_secret``
-  and ``shmget``, whose memory the address-space limit does not count.
+  and ``shmget``, whose memory the address-space limit does not count, ``io_uring_setup``, and
+  ``socket`` for every family but ``AF_UNIX``.
 - The code shares the worker's process, so it can forge the worker's reply: the host holds every
   reply to the limits itself (field types, output length, header size, the shown images' pixels
   and aspect, the call's deadline) and reads anything else as a crash, never an exception.
@@ -22,7 +23,7 @@ What is isolated (``isolation: bwrap``, the default where bubblewrap works)
   or video is parsed by the sandboxed process, not by the host.
 
 What is not isolated
-- The kernel is shared (a kernel exploit escapes; the seccomp filter refuses three calls only).
+- The kernel is shared (a kernel exploit escapes; the seccomp filter refuses a few calls only).
 - CPU time is limited per sandbox but not scheduled fairly between sandboxes; the host's memory is
   only protected by per-process address-space limits (no cgroup memory accounting), so during
   one call a sandbox's processes together may use up to ``max_processes`` x ``memory_mb``.
@@ -31,9 +32,11 @@ What is not isolated
   anything it can draw.
 
 Without bubblewrap (``isolation: rlimit``, or ``auto`` when bwrap is missing or cannot create
-namespaces) only the rlimits, a process-group kill and a temporary working directory apply, and a
-loud warning says so: that mode is **no security boundary** (the code can read the user's files
-and reach the network). Its process limit is shared too: for a user other than root the kernel
+namespaces) only the rlimits, the seccomp filter, a process-group kill and a temporary working
+directory apply, and a loud warning says so: that mode is **no security boundary** (the code can
+read and write the user's files, and through ``/proc`` the environment of the user's other
+processes; the filter keeps it off the network, which a Unix socket of a local service, such as
+a proxy, could still get round). Its process limit is shared too: for a user other than root the kernel
 counts all of that user's tasks, so a sandbox may start ``max_processes`` beyond those the user
 runs when it starts (``_zygote.process_limit``).
 """
@@ -120,7 +123,8 @@ def _isolation_mode(cfg: SandboxConfig) -> Literal["bwrap", "rlimit"]:
             why = "bubblewrap is not installed"
             fix = "install it (apt-get install bubblewrap) for real isolation"
         msg = (f"SANDBOX IS NOT A SECURITY BOUNDARY: {why}, so model-written code runs with "
-               f"rlimits only and can read your files and reach the network; {fix}.")
+               f"rlimits only and can read your files (no network: a socket filter refuses it); "
+               f"{fix}.")
         warnings.warn(msg, RuntimeWarning, stacklevel=2)
         from pipelines.console import err
 

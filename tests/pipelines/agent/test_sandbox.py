@@ -269,15 +269,46 @@ def test_memory_that_the_address_space_limit_misses_is_refused(sbx):
     system calls fail (a seccomp filter)."""
     import platform
 
-    from pipelines.agent.sandbox._zygote import NO_RLIMIT_MEMORY_SYSCALLS
+    from pipelines.agent.sandbox._zygote import SECCOMP_RULES
 
-    if platform.machine() not in NO_RLIMIT_MEMORY_SYSCALLS:
+    if platform.machine() not in SECCOMP_RULES:
         pytest.skip("no filter for this architecture")
     out = _ok(sbx.run("import os, ctypes\ntry:\n    os.memfd_create('m')\n"
                       "except PermissionError as e:\n    print('memfd', e.errno)\n"
                       "libc = ctypes.CDLL(None, use_errno=True)\n"
                       "print('shmget', libc.shmget(0, 1 << 20, 0o1600), ctypes.get_errno())\n"))
     assert out == "memfd 1\nshmget -1 1\n"
+
+
+@pytest.mark.parametrize("mode", ["rlimit", pytest.param("bwrap", marks=strict)])
+def test_no_socket_but_a_unix_one_in_any_mode(mode):
+    """rlimit mode has no network namespace: the seccomp filter alone keeps the code off the
+    network there (bubblewrap's namespaces do too). A Unix socket still works, and io_uring,
+    whose rings open sockets without socket(), is refused."""
+    import platform
+
+    from pipelines.agent.sandbox import isolation
+    from pipelines.agent.sandbox._zygote import SECCOMP_RULES
+
+    if platform.machine() not in SECCOMP_RULES:
+        pytest.skip("no filter for this architecture")
+    isolation._warned_rlimit = True  # the rlimit warning has its own test
+    io_uring_setup = 425
+    with Sandbox(SandboxConfig(isolation=mode, timeout_s=10)) as s:
+        out = _ok(s.run(
+            "import socket, ctypes\nres = []\n"
+            "for family in (socket.AF_INET, socket.AF_INET6, socket.AF_PACKET, socket.AF_NETLINK):\n"
+            "    try:\n        socket.socket(family, socket.SOCK_DGRAM).close()\n"
+            "        res.append('open')\n"
+            "    except OSError as e:\n        res.append(e.errno)\n"
+            "try:\n    socket.create_connection(('127.0.0.1', 80), timeout=1)\n"
+            "except OSError as e:\n    res.append(e.errno)\n"
+            "a, b = socket.socketpair()\na.sendall(b'x')\nres.append(b.recv(1).decode())\n"
+            "u = socket.socket(socket.AF_UNIX)\nu.close()\nres.append('unix')\n"
+            "libc = ctypes.CDLL(None, use_errno=True)\n"
+            f"res.append((libc.syscall({io_uring_setup}, 1, ctypes.create_string_buffer(120)), "
+            "ctypes.get_errno()))\nprint(res)"))
+    assert out.strip() == "[1, 1, 1, 1, 1, 'x', 'unix', (-1, 1)]"
 
 
 @strict
