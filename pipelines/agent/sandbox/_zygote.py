@@ -338,6 +338,19 @@ def _runtime_under_tmp() -> list[str]:
     return [p for p in under if not any(p != q and p.startswith(q + "/") for q in under)]
 
 
+def prefer_for_oom_kill() -> None:
+    """Ask the kernel's OOM killer to end this process (and every one it starts, which inherit
+    the setting) before any other: no cgroup bounds a sandbox's processes together, so when the
+    machine runs out of memory it is the sandbox that ends, not the evaluation or the training
+    that runs it. Raising one's own score needs no privilege; without a writable /proc (a
+    kernel without it) the kernel's own choice stands."""
+    try:
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("1000")
+    except OSError:
+        return
+
+
 def hide_proc() -> None:
     """Cover /proc with an empty tmpfs: nothing about other processes is readable."""
     _check(libc.mount(b"tmpfs", b"/proc", b"tmpfs", MS_NOSUID | MS_NODEV, b"size=16k,mode=555"),
@@ -1571,6 +1584,7 @@ def spawn(conn_fd: int, limits: dict, preloaded: dict, mode: str, control_fd: in
                 # rlimit mode it stays in the intermediate's group, which the zygote kills.
                 os.setsid()
             sock = socket.socket(fileno=conn_fd)
+            prefer_for_oom_kill()  # while /proc is there and the process dumpable
             if mode == "strict":
                 hide_proc()
                 drop_capabilities()

@@ -27,6 +27,8 @@ What is not isolated
 - CPU time is limited per sandbox but not scheduled fairly between sandboxes; the host's memory is
   only protected by per-process address-space limits (no cgroup memory accounting), so during
   one call a sandbox's processes together may use up to ``max_processes`` x ``memory_mb``.
+  Should that exhaust the machine, the kernel's OOM killer ends sandbox processes first: each
+  worker sets its ``oom_score_adj`` to 1000, which the processes it starts inherit.
 - Images returned by the code are checked (raw RGB pixels whose byte count matches their
   bounded size; nothing is decoded on the host) but are the code's choice: it can show the model
   anything it can draw.

@@ -311,6 +311,65 @@ def test_no_socket_but_a_unix_one_in_any_mode(mode):
     assert out.strip() == "[1, 1, 1, 1, 1, 'x', 'unix', (-1, 1)]"
 
 
+def _descendants(root: int) -> list[int]:
+    """The pids below ``root``, from the host's /proc."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # ended meanwhile
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [root]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
+
+
+@pytest.mark.parametrize("mode", ["rlimit", pytest.param("bwrap", marks=strict)])
+def test_the_oom_killer_ends_a_sandbox_before_the_process_that_runs_it(mode):
+    """No cgroup bounds a sandbox's processes together: should the machine run out of memory,
+    the kernel must pick the sandbox (and what its code started), not the evaluation."""
+    from pipelines.agent.sandbox import isolation
+
+    isolation._warned_rlimit = True  # the rlimit warning has its own test
+    import threading
+
+    def scores_below(root: int) -> dict[int, tuple[int, bytes]]:
+        out = {}
+        for pid in _descendants(root):
+            try:
+                out[pid] = (int(Path(f"/proc/{pid}/oom_score_adj").read_text()),
+                            Path(f"/proc/{pid}/cmdline").read_bytes())
+            except OSError:  # ended meanwhile
+                continue
+        return out
+
+    with Sandbox(SandboxConfig(isolation=mode, timeout_s=10)) as s:
+        # Looked at while the call runs: when it returns, the processes it started are ended.
+        results = []
+        call = threading.Thread(target=lambda: results.append(s.run(
+            "import os, subprocess, sys, time\nprint(os.getpid(), flush=True)\n"
+            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(9)'])\n"
+            "time.sleep(2.5)")))
+        call.start()
+        deadline = time.monotonic() + 2
+        seen: dict[int, tuple[int, bytes]] = {}
+        while time.monotonic() < deadline and not any(b"time.sleep(9)" in c
+                                                      for _, c in seen.values()):
+            time.sleep(0.1)
+            seen = scores_below(s._zygote.proc.pid)
+        call.join()
+    worker = _ok(results[0]).split()[0]
+    started = [score for score, cmd in seen.values() if b"time.sleep(9)" in cmd]
+    assert started == [1000], seen
+    if mode == "rlimit":  # the same pid namespace: the worker's own pid is the host's
+        assert seen[int(worker)][0] == 1000
+    assert int(Path("/proc/self/oom_score_adj").read_text()) < 1000
+
+
 @strict
 def test_sandboxes_cannot_see_each_other():
     with Sandbox() as a, Sandbox() as b:
