@@ -440,6 +440,89 @@ def install_seccomp_filter() -> bool:
     return libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0) == 0
 
 
+# Landlock (Linux 5.13+, no privilege needed): what confines a worker's files, signals and
+# abstract Unix sockets in rlimit mode, where no namespace does. The system calls have the same
+# numbers on x86_64 and aarch64.
+_LANDLOCK_CREATE_RULESET, _LANDLOCK_ADD_RULE, _LANDLOCK_RESTRICT_SELF = 444, 445, 446
+_FS_EXECUTE, _FS_WRITE_FILE, _FS_READ_FILE, _FS_READ_DIR = 1, 2, 4, 8
+_FS_ABI1 = (1 << 13) - 1  # execute ... make_sym: every right of the first ABI
+_FS_REFER, _FS_TRUNCATE = 1 << 13, 1 << 14  # ABI 2, ABI 3
+_SCOPE_ABSTRACT_UNIX_SOCKET, _SCOPE_SIGNAL = 1, 2  # ABI 6
+_FILE_RIGHTS = _FS_EXECUTE | _FS_WRITE_FILE | _FS_READ_FILE | _FS_TRUNCATE
+# What a confined worker may read, as bubblewrap's read-only binds give the strict sandbox
+# (the interpreter and its import folders are added at run time): the system's libraries, the
+# loader's cache and the harmless devices.
+_LANDLOCK_READABLE = ("/usr/lib", "/usr/lib64", "/usr/local/lib", "/lib", "/lib64",
+                      "/etc/ld.so.cache", "/dev/null", "/dev/zero", "/dev/urandom", "/dev/random")
+
+
+class _RulesetAttr(ctypes.Structure):
+    _fields_ = [("handled_access_fs", ctypes.c_uint64), ("handled_access_net", ctypes.c_uint64),
+                ("scoped", ctypes.c_uint64)]
+
+
+class _PathBeneathAttr(ctypes.Structure):
+    _pack_ = 1
+    _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+
+
+def landlock_abi() -> int:
+    """The Landlock ABI version this kernel offers; 0 where it has none (or it is disabled)."""
+    version = libc.syscall(_LANDLOCK_CREATE_RULESET, None, 0, 1)  # LANDLOCK_CREATE_RULESET_VERSION
+    return max(int(version), 0)
+
+
+def readable_paths() -> list[str]:
+    """The folders and files a confined worker may read: this interpreter's prefixes and import
+    folders (``-I``: never the checkout or the working directory) and ``_LANDLOCK_READABLE``."""
+    paths = {sys.prefix, sys.base_prefix, sys.exec_prefix,
+             os.path.dirname(os.path.realpath(sys.executable)), *_LANDLOCK_READABLE}
+    paths.update(p for p in sys.path if os.path.isabs(p))
+    return sorted(p for p in paths if os.path.exists(p))
+
+
+def confine_files(readable: list[str], writable: str) -> bool:
+    """Confine this process and what it starts with Landlock: ``readable`` read-only (and
+    executable), ``writable`` (its working folder) fully, nothing else of the file system; with
+    ABI 6, no signal to a process outside (the host, the zygote, the user's other processes:
+    ``kill(-1, ...)`` included) and no abstract Unix socket outside. False where the kernel has
+    no Landlock: the rlimits alone apply. Call it before any thread starts (only the caller and
+    what it starts later are confined)."""
+    abi = landlock_abi()
+    if abi < 1:
+        return False
+    fs = _FS_ABI1 | (_FS_REFER if abi >= 2 else 0) | (_FS_TRUNCATE if abi >= 3 else 0)
+    scoped = _SCOPE_ABSTRACT_UNIX_SOCKET | _SCOPE_SIGNAL if abi >= 6 else 0
+    attr = _RulesetAttr(fs, 0, scoped)
+    size = ctypes.sizeof(_RulesetAttr) if scoped else 8  # older kernels take the first field only
+    ruleset = libc.syscall(_LANDLOCK_CREATE_RULESET, ctypes.byref(attr), size, 0)
+    if ruleset < 0:
+        return False
+    try:
+        read = _FS_EXECUTE | _FS_READ_FILE | _FS_READ_DIR
+        rules = [(p, read) for p in readable] + [(writable, fs)]
+        for path, access in rules:
+            try:
+                fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+            except OSError:
+                continue  # gone meanwhile: nothing to allow
+            try:
+                if not os.path.isdir(path):  # a file takes file rights only
+                    access &= _FILE_RIGHTS
+                    if path == "/dev/null":  # subprocess.DEVNULL opens it for writing
+                        access |= _FS_WRITE_FILE
+                rule = _PathBeneathAttr(access & fs, fd)
+                _check(libc.syscall(_LANDLOCK_ADD_RULE, ruleset, 1, ctypes.byref(rule), 0),
+                       f"landlock rule for {path}")
+            finally:
+                os.close(fd)
+        _check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
+        _check(libc.syscall(_LANDLOCK_RESTRICT_SELF, ruleset, 0), "landlock_restrict_self")
+    finally:
+        os.close(ruleset)
+    return True
+
+
 def apply_rlimits(limits: dict, mode: str) -> None:
     mb = 1024 * 1024
     resource.setrlimit(resource.RLIMIT_AS, (limits["memory_mb"] * mb,) * 2)
@@ -1454,7 +1537,7 @@ def _setup_failed(setup_fd: int, sid: str, message: str) -> None:
     os._exit(SETUP_FAILED)
 
 
-def worker_main(sock: socket.socket, limits: dict, preloaded: dict, mode: str,
+def worker_main(sock: socket.socket, limits: dict, preloaded: dict, mode: str, workdir: str,
                 setup_fd: int, sid: str, output_fd: int) -> None:
     """Load the media, then run code until the host hangs up. ``setup_fd`` is the zygote's
     stderr, open only until the media are loaded (the code's own output is captured).
@@ -1463,7 +1546,6 @@ def worker_main(sock: socket.socket, limits: dict, preloaded: dict, mode: str,
     output = mmap.mmap(output_fd, output_buffer_size(int(limits["max_output_chars"])))
     frames = FrameReader(sock)
     init = json.loads(frames.frame())
-    workdir = "/tmp" if mode == "strict" else tempfile.mkdtemp(prefix="pyvision-sbx-")
     os.chdir(workdir)
     os.environ.clear()
     os.environ.update({"HOME": workdir, "TMPDIR": workdir, "PATH": "/usr/bin:/bin",
@@ -1588,6 +1670,10 @@ def spawn(conn_fd: int, limits: dict, preloaded: dict, mode: str, control_fd: in
             if mode == "strict":
                 hide_proc()
                 drop_capabilities()
+                workdir = "/tmp"
+            else:  # its own folder under the zygote's temporary one, the only one it may write
+                workdir = tempfile.mkdtemp(prefix="pyvision-sbx-")
+                confine_files(READABLE, workdir)
             # Sized before the file-size rlimit applies (it bounds memfds too).
             output_fd = os.memfd_create("pyvision-output", os.MFD_CLOEXEC)
             os.ftruncate(output_fd, output_buffer_size(int(limits["max_output_chars"])))
@@ -1601,7 +1687,7 @@ def spawn(conn_fd: int, limits: dict, preloaded: dict, mode: str, control_fd: in
                 _setup_failed(setup_fd, sid, f"the runtime cannot start its output thread ({exc}: "
                                              f"{os.strerror(errno.EAGAIN)})")
             try:
-                worker_main(sock, limits, preloaded, mode, setup_fd, sid, output_fd)
+                worker_main(sock, limits, preloaded, mode, workdir, setup_fd, sid, output_fd)
             finally:
                 os._exit(0)
         os.close(conn_fd)
@@ -1694,6 +1780,10 @@ def extend_import_path(entries: str) -> None:
     sys.path[at:at] = extra
 
 
+# What confined workers may read (rlimit mode): set once the import path is complete.
+READABLE: list[str] = []
+
 if __name__ == "__main__":
     extend_import_path(sys.argv[3] if len(sys.argv) > 3 else "")
+    READABLE = readable_paths()
     zygote_main(int(sys.argv[1]), sys.argv[2])

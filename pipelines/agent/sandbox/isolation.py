@@ -34,11 +34,16 @@ What is not isolated
   anything it can draw.
 
 Without bubblewrap (``isolation: rlimit``, or ``auto`` when bwrap is missing or cannot create
-namespaces) only the rlimits, the seccomp filter, a process-group kill and a temporary working
-directory apply, and a loud warning says so: that mode is **no security boundary** (the code can
-read and write the user's files, and through ``/proc`` the environment of the user's other
-processes; the filter keeps it off the network, which a Unix socket of a local service, such as
-a proxy, could still get round). Its process limit is shared too: for a user other than root the kernel
+namespaces) the rlimits, the seccomp filter (so no network), a process-group kill and a working
+folder of its own apply, and where the kernel has Landlock (5.13+, no privilege needed) each
+worker is confined with it: it may read only the runtime (``_zygote.readable_paths``: the
+interpreter, its import folders, the system's libraries) and write only its own folder, and with
+Landlock ABI 6 it can signal no process outside the sandbox and reach no abstract Unix socket
+outside. A loud warning says which applies. The mode is still weaker than bubblewrap: the code
+runs as the user's uid in the host's namespaces, so it can connect to a Unix socket a local
+service left open to that user (Landlock does not mediate ``connect``); without Landlock it is
+**no security boundary** at all (the code can read and write the user's files, and through
+``/proc`` the environment of the user's other processes, and signal them). Its process limit is shared too: for a user other than root the kernel
 counts all of that user's tasks, so a sandbox may start ``max_processes`` beyond those the user
 runs when it starts (``_zygote.process_limit``).
 """
@@ -124,9 +129,17 @@ def _isolation_mode(cfg: SandboxConfig) -> Literal["bwrap", "rlimit"]:
         else:
             why = "bubblewrap is not installed"
             fix = "install it (apt-get install bubblewrap) for real isolation"
-        msg = (f"SANDBOX IS NOT A SECURITY BOUNDARY: {why}, so model-written code runs with "
-               f"rlimits only and can read your files (no network: a socket filter refuses it); "
-               f"{fix}.")
+        from pipelines.agent.sandbox._zygote import landlock_abi
+
+        if landlock_abi() >= 1:
+            msg = (f"SANDBOX ISOLATION IS WEAKER THAN BUBBLEWRAP: {why}, so model-written code "
+                   f"runs as your user under rlimits, a system-call filter and Landlock: your "
+                   f"files, the network and (on kernels with Landlock ABI 6) your processes are "
+                   f"out of its reach, but a local Unix socket service is not; {fix}.")
+        else:
+            msg = (f"SANDBOX IS NOT A SECURITY BOUNDARY: {why}, so model-written code runs with "
+                   f"rlimits only and can read your files and signal your processes (no "
+                   f"network: a system-call filter refuses it); {fix}.")
         warnings.warn(msg, RuntimeWarning, stacklevel=2)
         from pipelines.console import err
 

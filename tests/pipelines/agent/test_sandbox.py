@@ -370,6 +370,40 @@ def test_the_oom_killer_ends_a_sandbox_before_the_process_that_runs_it(mode):
     assert int(Path("/proc/self/oom_score_adj").read_text()) < 1000
 
 
+def test_rlimit_mode_confines_files_and_signals_with_landlock(tmp_path):
+    """Without bubblewrap's namespaces, Landlock keeps the code to the runtime (read-only) and
+    its own folder, and (ABI 6) its signals to its own processes: the host is out of reach."""
+    from pipelines.agent.sandbox import isolation
+    from pipelines.agent.sandbox._zygote import landlock_abi
+
+    abi = landlock_abi()
+    if abi < 1:
+        pytest.skip("this kernel has no Landlock")
+    secret = tmp_path / "secret.txt"
+    secret.write_text("token")
+    isolation._warned_rlimit = True  # the rlimit warning has its own test
+    with Sandbox(SandboxConfig(isolation="rlimit", timeout_s=10)) as s:
+        out = _ok(s.run(
+            "import os, subprocess, sys\nres = []\n"
+            f"for p in [{str(secret)!r}, {str(REPO / 'README.md')!r}, {str(tmp_path)!r}, "
+            "os.path.expanduser('~/..'), '/etc/passwd']:\n"
+            "    try:\n        os.listdir(p) if os.path.isdir(p) else open(p).read()\n"
+            "        res.append('read')\n    except OSError as e:\n        res.append(e.errno)\n"
+            f"for p in [{str(tmp_path / 'new.txt')!r}, {str(REPO / 'SANDBOX_ESCAPE.txt')!r}]:\n"
+            "    try:\n        open(p, 'w').write('x')\n        res.append('wrote')\n"
+            "    except OSError as e:\n        res.append(e.errno)\n"
+            "open('mine.txt', 'w').write('ok')\nres.append(open('mine.txt').read())\n"
+            "import fractions, decimal\n"  # lazily imported: the runtime stays readable
+            "res.append(subprocess.run([sys.executable, '-c', 'print(7)'], capture_output=True, "
+            "text=True, stdin=subprocess.DEVNULL).stdout.strip())\n"
+            "try:\n"
+            f"    os.kill({os.getpid()}, 0)\n    res.append('signalled')\n"
+            "except OSError as e:\n    res.append(e.errno)\nprint(res)"))
+    assert not (tmp_path / "new.txt").exists() and not (REPO / "SANDBOX_ESCAPE.txt").exists()
+    signal_verdict = 1 if abi >= 6 else "signalled"  # EPERM with scoped signals
+    assert out.strip() == str([13] * 5 + [13, 13, "ok", "7", signal_verdict])
+
+
 @strict
 def test_sandboxes_cannot_see_each_other():
     with Sandbox() as a, Sandbox() as b:
@@ -770,9 +804,12 @@ def test_bad_media_is_reported_before_running(tmp_path):
 
 def test_rlimit_fallback_works_and_warns():
     from pipelines.agent.sandbox import isolation
+    from pipelines.agent.sandbox._zygote import landlock_abi
 
     isolation._warned_rlimit = False
-    with pytest.warns(RuntimeWarning, match="NOT A SECURITY BOUNDARY"):
+    confined = landlock_abi() >= 1
+    with pytest.warns(RuntimeWarning, match="WEAKER THAN BUBBLEWRAP.*Landlock" if confined
+                      else "NOT A SECURITY BOUNDARY.*can read your files"):
         s = Sandbox(SandboxConfig(isolation="rlimit", timeout_s=2),
                     images={"image_clue_0": Image.new("RGB", (8, 8))})
     with s:
@@ -1084,7 +1121,7 @@ def test_rlimit_by_choice_does_not_say_bubblewrap_is_missing(monkeypatch):
     with pytest.warns(RuntimeWarning) as warned:
         isolation_mode(SandboxConfig(isolation="rlimit"))
     (message,) = [str(w.message) for w in warned]
-    assert "NOT A SECURITY BOUNDARY" in message and "unavailable" not in message
+    assert message.startswith("SANDBOX ") and "unavailable" not in message
     assert "isolation=rlimit was chosen" in message and "bubblewrap is installed" in message
 
 
