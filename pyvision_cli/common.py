@@ -85,8 +85,25 @@ def _name_text_values(params: list[Any]) -> None:
             param.metavar = param.name.upper()
 
 
+# Text options that name a local folder or file unless they are a hub id or a URL (which never
+# start with ``~``): their ``~`` is expanded as a path option's is.
+_PATH_TEXT_OPTIONS = frozenset({"model", "base", "dataset_dir", "tasks", "python"})
+
+
+def _expand_home(name: str, value: Any) -> Any:
+    if isinstance(value, Path):
+        return value.expanduser()
+    if isinstance(value, str) and name in _PATH_TEXT_OPTIONS and value.startswith("~"):
+        return os.path.expanduser(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_expand_home(name, v) for v in value)
+    return value
+
+
 class _OneLineErrors:
-    """Mixed into a Typer group or command: parse errors and UserError become one line, exit 2."""
+    """Mixed into a Typer group or command: parse errors and UserError become one line, exit 2.
+    A ``~`` the shell left in a path (``--out=~/x``, a quoted value) is expanded once, before
+    the command runs, so that its checks and its work see the same folder."""
 
     params: list[click.Parameter]
 
@@ -98,6 +115,7 @@ class _OneLineErrors:
         return _parse_in_one_line(super().make_context, *args, **kwargs)  # type: ignore[misc]
 
     def invoke(self, ctx: click.Context) -> Any:
+        ctx.params = {k: _expand_home(k, v) for k, v in ctx.params.items()}
         return _reraise_user_errors(super().invoke, ctx)  # type: ignore[misc]
 
 

@@ -6,6 +6,7 @@ import importlib
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import typer
@@ -71,6 +72,27 @@ def test_user_error_inside_a_group_command_exits_2():
 
     assert runner.invoke(group, ["one"]).exit_code == 2
     assert runner.invoke(group, ["two"]).output.strip() == "fine"
+
+
+def test_a_tilde_the_shell_left_is_expanded_before_the_command_runs(tmp_path, monkeypatch):
+    # `--out=~/x` and quoted values keep their `~`: checks that expanded it and work that did
+    # not saw two folders (a model "not a repo id", output under ./~/).
+    monkeypatch.setenv("HOME", str(tmp_path))
+    group = make_app("group", group=True)
+    seen = {}
+
+    @command(group)
+    def paths(out: Path, model: str = "", question: str = "",
+              extra: list[Path] | None = None) -> None:
+        seen.update(out=out, model=model, question=question, extra=extra)
+
+    result = runner.invoke(group, ["paths", "~/out", "--model=~/base", "--question", "~/x?",
+                                   "--extra", "~/a", "--extra", "b"])
+    assert result.exit_code == 0, result.output
+    assert seen == {"out": tmp_path / "out", "model": str(tmp_path / "base"),
+                    "question": "~/x?", "extra": [tmp_path / "a", Path("b")]}
+    runner.invoke(group, ["paths", "o", "--model", "Qwen/Qwen2.5-VL-7B-Instruct"])
+    assert seen["model"] == "Qwen/Qwen2.5-VL-7B-Instruct"  # a hub id stays as it is
 
 
 def test_doctor_json_through_root_app(tmp_path):
