@@ -69,13 +69,29 @@ def tiny_base(recipe: Recipe, model_dir: Path, conversations: list, sd: StageDir
 
 
 def check_data_inputs(recipe: Recipe) -> None:
-    """What the data stage can check before it writes: the base model it will hand to SFT when
-    the recipe builds no tiny one (a local folder must exist and look loadable; a hub id is
-    resolved by SFT)."""
+    """What the data stage can check before it writes, so that a typo is one line and no half
+    stage blocks the corrected command: the base model it will hand to SFT when the recipe
+    builds no tiny one (a local folder must exist and look loadable; a hub id is resolved by
+    SFT), the names in ``data.datasets``, the conversation and task folders it reads and the
+    teacher it distills from."""
+    from pipelines.core.records import CONVERSATIONS_FILE, TASKS_FILE, rows_file
+    from pipelines.data.hub import get_dataset
+
     if recipe.model.tiny is None:
         from pipelines.inputs import check_model
 
         check_model(recipe.model.base, "model.base")
+    for name in recipe.data.datasets:
+        get_dataset(name)
+    for source in recipe.data.resolved_sft_sources():
+        if source not in ("scripted", "distill"):
+            rows_file(source, CONVERSATIONS_FILE)
+    if "distill" in recipe.data.resolved_sft_sources():
+        from pipelines.data.distill import check_teacher
+
+        for folder in recipe.data.distill.tasks:
+            rows_file(folder, TASKS_FILE)
+        check_teacher(recipe.data.distill.teacher)
 
 
 def run_data_stage(recipe: Recipe, sd: StageDir, *, show_progress: bool = True) -> dict[str, Any]:

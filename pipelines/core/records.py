@@ -154,8 +154,26 @@ def iter_jsonl(path: str | Path) -> Iterator[tuple[int, Any | json.JSONDecodeErr
                 yield number, json.JSONDecodeError("nested too deeply", line, 0)
 
 
+_MISSING_HINTS = {
+    TASKS_FILE: "run `pyvision data synth` or `pyvision data import` first",
+    CONVERSATIONS_FILE: "run `pyvision data trajectories` or `pyvision data import` first",
+}
+
+
+def rows_file(path: str | Path, file_name: str) -> Path:
+    """The JSONL file ``path`` names: itself, or ``file_name`` (``TASKS_FILE``,
+    ``CONVERSATIONS_FILE``) in it when it is a folder; DataError when there is none."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / file_name
+    if not p.is_file():
+        raise DataError(f"{file_name.split('.')[0]} file not found: {p}",
+                        hint=_MISSING_HINTS[file_name])
+    return p
+
+
 def _read_rows(path: str | Path, file_name: str, model: type[_Row], *, strict: bool,
-               missing_hint: str, check: Callable[[_Row, Path], tuple[str, str] | None],
+               check: Callable[[_Row, Path], tuple[str, str] | None],
                field_reason: Callable[[str], str] = lambda loc: "invalid_row",
                ) -> tuple[list[_Row], ReadReport]:
     """The rows of a JSONL file (or of ``file_name`` in a folder) that parse, validate as
@@ -164,11 +182,7 @@ def _read_rows(path: str | Path, file_name: str, model: type[_Row], *, strict: b
     Each bad row is reported with file and line: with ``strict`` the first one raises
     :class:`DataError`; otherwise it is skipped and counted in the returned :class:`ReadReport`.
     """
-    p = Path(path)
-    if p.is_dir():
-        p = p / file_name
-    if not p.is_file():
-        raise DataError(f"{file_name.split('.')[0]} file not found: {p}", hint=missing_hint)
+    p = rows_file(path, file_name)
     report = ReadReport(str(p))
     rows: list[_Row] = []
     for number, obj in iter_jsonl(p):
@@ -222,7 +236,6 @@ def read_tasks(path: str | Path, *, strict: bool = False,
         return None
 
     return _read_rows(path, TASKS_FILE, Task, strict=strict, check=check,
-                      missing_hint="run `pyvision data synth` or `pyvision data import` first",
                       field_reason=lambda loc: "empty_answer" if loc == "answer" else "invalid_row")
 
 
@@ -297,9 +310,7 @@ def read_conversations(path: str | Path, *, strict: bool = False,
                   "placeholder_mismatch" if "placeholders" in problems[0] else "invalid_row")
         return reason, problems[0]
 
-    return _read_rows(path, CONVERSATIONS_FILE, Conversation, strict=strict, check=check,
-                      missing_hint="run `pyvision data trajectories` or `pyvision data import` "
-                                   "first")
+    return _read_rows(path, CONVERSATIONS_FILE, Conversation, strict=strict, check=check)
 
 
 def write_conversations(path: str | Path, conversations: Iterable[Conversation]) -> Path:

@@ -275,6 +275,14 @@ def _check_settings(out: Path, settings: dict[str, Any], force: bool, drawn: int
     atomic_write_json(path, settings)
 
 
+def check_teacher(url: str) -> None:
+    """The teacher's server answers (any HTTP answer), else one line: EndpointError."""
+    from pipelines.eval.runner import check_endpoint
+
+    check_endpoint(url, what="teacher", hint=TEACHER_HINT,
+                   not_url_hint="pass the teacher server's URL, e.g. http://localhost:8000/v1")
+
+
 def distill(recipe: Recipe, task_dirs: list[str | Path], out: str | Path, *,
             teacher: str | None = None, served_model: str | None = None, k: int | None = None,
             store: Any = None, run_id: str | None = None, force: bool = False,
@@ -307,10 +315,8 @@ def distill(recipe: Recipe, task_dirs: list[str | Path], out: str | Path, *,
                         cfg.temperature, cfg.top_p)
     if policy is None:
         from pipelines.agent.policies.openai import OpenAIPolicy
-        from pipelines.eval.runner import check_endpoint
 
-        check_endpoint(teacher, what="teacher", hint=TEACHER_HINT,
-                       not_url_hint="pass the teacher server's URL, e.g. http://localhost:8000/v1")
+        check_teacher(teacher)
         policy = OpenAIPolicy(teacher, served_model or cfg.served_model, client=cfg.client,
                               concurrency=cfg.concurrency,
                               image_min_pixels=agent.image_min_pixels,
