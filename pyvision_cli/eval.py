@@ -37,7 +37,7 @@ def evaluate(
     max_turns: Annotated[int | None, typer.Option(help="Most assistant turns [default: agent.max_turns_eval].", min=1)] = None,
     data_dir: Annotated[Path | None, typer.Option(metavar="DIR", help="Local copy of the benchmark in the published layout, or a folder holding one such copy per benchmark (vstar/, hrbench/, mathverse/, vsibench/ ...).")] = None,
     served_model: Annotated[str | None, typer.Option(help="Model name sent to a server URL.")] = None,
-    model_tag: Annotated[str | None, typer.Option(metavar="TAG", help="Name of this model in the store and report [default: the model path].")] = None,
+    model_tag: Annotated[str | None, typer.Option(metavar="TAG", help="Name of this model in the store and report [default: a local folder's absolute path, else the hub id or URL].")] = None,
     harness: Annotated[Literal["pyvision", "lmms-eval"], typer.Option(help="pyvision: our loop; lmms-eval: run lmms-eval with our plugin.")] = "pyvision",
     include_path: Annotated[Path | None, typer.Option(metavar="DIR", help="Folder of extra lmms-eval task YAMLs (--harness lmms-eval).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Forget every sample stored under this run id (all model tags) and evaluate again; needed to change agent or sandbox settings of a run.")] = False,
@@ -108,7 +108,12 @@ def evaluate(
 
     st = Store(store)
     rid = run_id or f"eval-{recipe.name}"
-    tag = model_tag or model
+    # A local folder's tag is its absolute path: the same text typed in two folders would name
+    # two models under one tag (the second replacing the first's samples), and one folder typed
+    # two ways would be two models.
+    local = Path(model).expanduser()
+    tag = model_tag or (str(local.resolve()) if not model.startswith(("http://", "https://"))
+                        and local.exists() else model)
     # The run is registered only once its inputs have been checked: a bad input writes nothing.
     register = {"name": recipe.name, "recipe_path": str(config) if config else None,
                 "config": recipe.model_dump(mode="json")}

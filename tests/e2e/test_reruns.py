@@ -171,3 +171,26 @@ def test_eval_cli_refuses_other_max_turns_before_anything_runs(inp: Path):
     assert "run 'ev' holds samples evaluated with other settings (agent.max_turns_eval 2 -> 5)" \
         in line
     assert store.eval_records("ev") == before
+
+
+def test_eval_tags_a_local_model_by_its_folder_not_by_the_text_typed(inp: Path, monkeypatch):
+    # `--model model` typed in two folders named two models by one tag (the second's samples
+    # replaced the first's); `model` and `../in/model` typed for one folder were two models.
+    import shutil
+
+    import pipelines.eval.runner as runner_module
+
+    tags: list[str] = []
+    monkeypatch.setattr(runner_module, "run_eval",
+                        lambda *a, **kw: tags.append(kw["model_tag"]) or {})
+    for sub in ("a", "b"):
+        shutil.copytree(inp / "model-ok", inp / sub / "model")
+    base = ["eval", "--benchmarks", "synth-image", "--data-dir", str(inp / "tasks"),
+            "--run-id", "tags"]
+    for where, typed in (("a", "model"), ("b", "model"), ("b", "../a/model"),
+                         ("a", "Qwen/Qwen2.5-VL-7B-Instruct")):
+        monkeypatch.chdir(inp / where)
+        result = runner.invoke(app, [*base, "--model", typed])
+        assert result.exit_code == 0, result.output
+    assert tags == [str((inp / "a" / "model").resolve()), str((inp / "b" / "model").resolve()),
+                    str((inp / "a" / "model").resolve()), "Qwen/Qwen2.5-VL-7B-Instruct"]
