@@ -22,7 +22,7 @@ from pipelines.config.recipe import Recipe
 from pipelines.console import err
 from pipelines.errors import ConfigChanged, UserError
 from pipelines.manifest import DataOutputs, MergeOutputs, RLOutputs, SFTOutputs
-from pipelines.rundir import STAGES, StageDir, stage_dir
+from pipelines.rundir import STAGES, StageDir, earlier_stages_hint, stage_dir
 
 # Each stage is (prepare, run). ``prepare`` resolves and checks the stage's inputs before the
 # stage writes anything (a missing earlier stage or a bad input is one line, with no stage folder
@@ -44,7 +44,7 @@ def _stage_data(recipe: Recipe, sd: StageDir, show: bool, _: Any) -> dict[str, A
 def _inputs_sft(recipe: Recipe, sd: StageDir) -> tuple[str, str, str]:
     from pipelines.sft.stage import resolve_sft_inputs
 
-    return resolve_sft_inputs(recipe, sd)
+    return resolve_sft_inputs(recipe, sd, in_run=True)
 
 
 def _stage_sft(recipe: Recipe, sd: StageDir, show: bool,
@@ -60,7 +60,7 @@ def _stage_sft(recipe: Recipe, sd: StageDir, show: bool,
 def _inputs_rl(recipe: Recipe, sd: StageDir) -> tuple[str, list[str]]:
     from pipelines.rl.stage import resolve_rl_inputs
 
-    return resolve_rl_inputs(recipe, sd)
+    return resolve_rl_inputs(recipe, sd, in_run=True)
 
 
 def _stage_rl(recipe: Recipe, sd: StageDir, show: bool,
@@ -122,9 +122,8 @@ def _inputs_eval(recipe: Recipe, sd: StageDir) -> dict[str, str]:
     if not models:  # else the stage would finish having evaluated nothing, and be skipped after
         raise UserError(f"run '{sd.run_id}' has no model to evaluate: none of its data, sft, rl "
                         "or merge stages has finished",
-                        hint=f"run the earlier stages first (pyvision run RECIPE --run-id "
-                             f"{sd.run_id}), or evaluate a model folder with `pyvision eval "
-                             "--model PATH`")
+                        hint=f"{earlier_stages_hint(sd.run_id)}, or evaluate a model folder "
+                             "with `pyvision eval --model PATH`")
     return models
 
 

@@ -45,6 +45,11 @@ RUN_ID_RULE = ("letters, digits, '.', '_' and '-', starting with a letter or dig
                "characters")
 
 
+def earlier_stages_hint(run_id: str) -> str:
+    """How `pyvision run` gets a stage's missing inputs: from the stages before it."""
+    return f"run the earlier stages first (pyvision run RECIPE --run-id {run_id})"
+
+
 def package_versions(names: tuple[str, ...] = KEY_PACKAGES) -> dict[str, str | None]:
     """Installed versions, read from metadata (imports nothing)."""
     out: dict[str, str | None] = {}

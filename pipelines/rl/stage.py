@@ -14,12 +14,13 @@ from typing import Any
 from pipelines.config.recipe import Recipe
 from pipelines.errors import UserError
 from pipelines.manifest import DataOutputs, SFTOutputs
-from pipelines.rundir import StageDir
+from pipelines.rundir import StageDir, earlier_stages_hint
 
 
 def resolve_rl_inputs(recipe: Recipe, sd: StageDir, *, model: str | None = None,
-                      tasks: list[str] | None = None) -> tuple[str, list[str]]:
-    """(policy to start from, RL task folders)."""
+                      tasks: list[str] | None = None, in_run: bool = False) -> tuple[str, list[str]]:
+    """(policy to start from, RL task folders). ``in_run``: called by `pyvision run` (no
+    --model or --tasks to pass: the hints name its earlier stages)."""
     data = sd.outputs_of(DataOutputs)
     sft = sd.outputs_of(SFTOutputs)
     model = model or (sft.model if sft is not None else None) or (
@@ -27,11 +28,13 @@ def resolve_rl_inputs(recipe: Recipe, sd: StageDir, *, model: str | None = None,
         None if recipe.model.tiny else recipe.model.base)
     if model is None:
         raise UserError(f"no model to start RL from in run '{sd.run_id}'",
-                        hint="run the data and sft stages first, or pass --model PATH")
+                        hint=earlier_stages_hint(sd.run_id) if in_run else
+                        "run the data and sft stages first, or pass --model PATH")
     task_dirs = tasks or (data.rl_tasks if data is not None else [])
     if not task_dirs:
         raise UserError(f"no RL prompts for run '{sd.run_id}'",
-                        hint="run the data stage first, or pass --tasks DIR (a tasks.jsonl folder)")
+                        hint=earlier_stages_hint(sd.run_id) if in_run else
+                        "run the data stage first, or pass --tasks DIR (a tasks.jsonl folder)")
     # Checked here, before the stage writes anything: a model folder that cannot load and a
     # prompt folder without usable rows end in one line, not in a failed stage left behind.
     from pipelines.core.records import read_tasks

@@ -17,15 +17,18 @@ from pipelines.config.recipe import Recipe
 from pipelines.console import err
 from pipelines.errors import UserError
 from pipelines.manifest import DataOutputs
-from pipelines.rundir import StageDir
+from pipelines.rundir import StageDir, earlier_stages_hint
 from pipelines.sft import llamafactory as lf
 
 METRIC_KEYS = ("loss", "lr", "epoch", "grad_norm", "throughput", "total_tokens", "percentage")
 
 
 def resolve_sft_inputs(recipe: Recipe, sd: StageDir, *, model: str | None = None,
-                       dataset_dir: str | None = None, dataset: str | None = None) -> tuple[str, str, str]:
-    """(model path, dataset dir, dataset name), explicit arguments first, then the data stage."""
+                       dataset_dir: str | None = None, dataset: str | None = None,
+                       in_run: bool = False) -> tuple[str, str, str]:
+    """(model path, dataset dir, dataset name), explicit arguments first, then the data stage.
+    ``in_run``: called by `pyvision run`, whose missing inputs come from its earlier stages
+    (it has no --model or --dataset-dir to pass)."""
     data = sd.outputs_of(DataOutputs)
     if data is not None:
         model = model or data.base_model
@@ -34,12 +37,15 @@ def resolve_sft_inputs(recipe: Recipe, sd: StageDir, *, model: str | None = None
     model = model or (None if recipe.model.tiny else recipe.model.base)
     if not model:
         raise UserError(f"no base model for run '{sd.run_id}': the recipe builds a tiny model in "
-                        "the data stage, which has not run", hint=f"run `pyvision data prepare "
-                        f"--run-id {sd.run_id}` first, or pass --model PATH")
+                        "the data stage, which has not run",
+                        hint=earlier_stages_hint(sd.run_id) if in_run else
+                        f"run `pyvision data prepare --run-id {sd.run_id}` first, or pass "
+                        "--model PATH")
     if not dataset_dir or not dataset:
         raise UserError(f"no SFT dataset for run '{sd.run_id}' (the data stage has not finished)",
-                        hint="run the data stage first, or pass --dataset-dir DIR --dataset NAME "
-                             "(a LLaMA-Factory folder with dataset_info.json)")
+                        hint=earlier_stages_hint(sd.run_id) if in_run else
+                        "run the data stage first, or pass --dataset-dir DIR --dataset NAME "
+                        "(a LLaMA-Factory folder with dataset_info.json)")
     from pipelines.inputs import check_model, read_json
 
     check_model(model, "the base model")

@@ -173,7 +173,9 @@ CASES: dict[str, Case] = {
     "set-out-of-bounds": Case("sft --set seed=-1", ("'seed'",)),
     "run-recipe-missing": Case("run {i}/nope.yaml", ("recipe not found", "nope.yaml")),
     "run-bad-from": Case(f"run {TINY} --from training", ("'--from'", "training")),
-    "run-sft-without-data": Case(f"run {TINY} --run-id fresh --from sft --until sft", ("no base model for run 'fresh'",)),
+    # `run` has no --model to pass: its hint names the earlier stages
+    "run-sft-without-data": Case(f"run {TINY} --run-id fresh --from sft --until sft", ("no base model for run 'fresh'", "run the earlier stages first (pyvision run RECIPE --run-id fresh)")),
+    "run-rl-without-data": Case(f"run {TINY} --run-id fresh --from rl --until rl", ("no model to start RL from in run 'fresh'", "run the earlier stages first (pyvision run RECIPE --run-id fresh)")),
     "run-eval-without-models": Case(f"run {TINY} --run-id fresh --from eval --until eval", ("run 'fresh' has no model to evaluate",)),
     "run-report-of-nothing": Case(f"run {TINY} --run-id fresh --from report", ("run 'fresh' has nothing to report",)),
     "run-from-after-until": Case(f"run {TINY} --from rl --until sft", ("--from rl comes after --until sft",)),
