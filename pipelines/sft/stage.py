@@ -15,7 +15,7 @@ from typing import Any
 
 from pipelines.config.recipe import Recipe
 from pipelines.console import err
-from pipelines.errors import UserError
+from pipelines.errors import DataError, UserError, malformed_json
 from pipelines.manifest import DataOutputs
 from pipelines.rundir import StageDir, earlier_stages_hint
 from pipelines.sft import llamafactory as lf
@@ -95,6 +95,30 @@ def _check_dataset_entry(info: Path, name: str, entry: object) -> None:
     if not (info.parent / file_name).exists():
         raise UserError(f"{info}: dataset '{name}' names {file_name}, which is not in "
                         f"{info.parent}", hint=fix)
+    if (info.parent / file_name).suffix == ".jsonl":
+        _check_rows_media(info.parent / file_name, info.parent, entry.get("columns") or {})
+
+
+def _check_rows_media(rows: Path, media_dir: Path, columns: dict) -> None:
+    """Every image and video a JSONL dataset's rows name is in ``media_dir`` (LLaMA-Factory's
+    ``media_dir``: the dataset's folder), and every row parses: an export copied without the
+    trajectories it points to is one line here, not LLaMA-Factory's traceback after the model
+    has loaded, with a stage folder left behind."""
+    from pipelines.core.records import iter_jsonl
+
+    keys = [columns.get(k, k) for k in ("images", "videos")]
+    for number, row in iter_jsonl(rows):
+        if isinstance(row, Exception):
+            raise DataError(f"{rows}:{number}: {malformed_json(row)}",
+                            hint="export the data again with `pyvision data export --format "
+                                 "llamafactory`")
+        for key in keys:
+            for media in (row.get(key) or []) if isinstance(row, dict) else []:
+                if isinstance(media, str) and not (media_dir / media).exists():
+                    raise DataError(f"{rows}:{number} names {media}, which is not in {media_dir}",
+                                    hint="copy the media it names along with the export (an "
+                                         "export and the trajectories it points to move "
+                                         "together), or export the data again")
 
 
 def run_sft(recipe: Recipe, sd: StageDir, *, model: str, dataset_dir: str, dataset: str,

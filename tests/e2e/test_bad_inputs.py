@@ -133,6 +133,16 @@ def make_inputs(inp: Path) -> None:
     (inp / "sft-data-no-file").mkdir()
     (inp / "sft-data-no-file" / "dataset_info.json").write_text('{"pyvision_sft": {"file_name": "nope.json"}, "x": "y"}')
     (inp / "sft-data-folder" / "dataset_info.json").mkdir(parents=True)
+    (inp / "sft-data-no-media").mkdir()
+    (inp / "sft-data-no-media" / "dataset_info.json").write_text(json.dumps({"pyvision_sft": {
+        "file_name": "t.jsonl", "formatting": "sharegpt",
+        "columns": {"messages": "conversations", "images": "images"}}}))
+    (inp / "sft-data-no-media" / "t.jsonl").write_text(
+        json.dumps({"conversations": [], "images": []}) + "\n"
+        + json.dumps({"conversations": [], "images": ["../trajectories/media/a.png"]}) + "\n")
+    (inp / "sft-data-bad-row").mkdir()
+    (inp / "sft-data-bad-row" / "dataset_info.json").write_text('{"pyvision_sft": {"file_name": "t.jsonl"}}')
+    (inp / "sft-data-bad-row" / "t.jsonl").write_text('{"conversations": []}\n{"conv\n')
     (inp / "sft-data-broken").mkdir()
     (inp / "sft-data-broken" / "dataset_info.json").write_text('{"pyvision_sft": ')
     (inp / "corrupt-parquet").mkdir()
@@ -237,6 +247,8 @@ CASES: dict[str, Case] = {
     "rl-no-model": Case("rl --run-id r1 --tasks {i}/tasks", ("no model to start RL from in run 'r1'", "--model")),
     "rl-unknown-engine": Case("rl --engine ray", ("'--engine'", "ray")),
     "sft-model-garbage": Case("sft --model {i}/model-garbage --dataset-dir {i}/sft-data --dataset pyvision_sft", ("model.safetensors", "no valid safetensors header")),
+    "sft-dataset-media-missing": Case(f"sft {M_OK} --dataset-dir {{i}}/sft-data-no-media --dataset pyvision_sft", ("t.jsonl:2 names ../trajectories/media/a.png, which is not in", "sft-data-no-media")),
+    "sft-dataset-row-broken": Case(f"sft {M_OK} --dataset-dir {{i}}/sft-data-bad-row --dataset pyvision_sft", ("t.jsonl:2", "malformed JSON")),
     "sft-dataset-info-broken": Case(f"sft {M_OK} --dataset-dir {{i}}/sft-data-broken --dataset pyvision_sft", ("dataset_info.json:1", "malformed JSON")),
     "sft-dataset-file-missing": Case(f"sft {M_OK} --dataset-dir {{i}}/sft-data-no-file --dataset pyvision_sft", ("dataset 'pyvision_sft' names nope.json, which is not in", "sft-data-no-file")),
     "sft-dataset-entry-not-object": Case(f"sft {M_OK} --dataset-dir {{i}}/sft-data-no-file --dataset x", ("dataset 'x' is not an object",)),
