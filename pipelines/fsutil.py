@@ -12,12 +12,40 @@ from pathlib import Path
 from typing import Any
 
 
+def _umask() -> int:
+    """This process's umask, read without changing it (``os.umask`` would, for every thread)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o022
+
+
+def new_file_mode(path: Path) -> int:
+    """The mode a file written in place of ``path`` gets: the one ``path`` has, else what
+    ``open()`` would give a new file (0666 less the umask), not ``mkstemp``'s 0600, which left
+    reports and manifests unreadable to a web server or a colleague."""
+    try:
+        return path.stat().st_mode & 0o7777
+    except OSError:
+        return 0o666 & ~_umask()
+
+
+def publish_dir_mode(path: Path) -> None:
+    """Give a temporary folder from ``mkdtemp`` (0700) the mode ``mkdir`` would have given it."""
+    os.chmod(path, 0o777 & ~_umask())
+
+
 def atomic_write_text(path: str | Path, text: str) -> Path:
     """Write ``text`` to ``path`` through a temp file in the same folder and an atomic rename."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, new_file_mode(path))
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)
             fh.flush()
@@ -84,6 +112,7 @@ def atomic_dir(path: str | Path, *, overwrite: bool = False) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp",
                                 dir=path.parent))
     try:
+        publish_dir_mode(tmp)
         yield tmp
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -57,7 +57,7 @@ from pipelines.config.recipe import Recipe
 from pipelines.console import StatusProgress, err
 from pipelines.core.records import Task, read_tasks, write_conversations
 from pipelines.errors import DataError, EndpointError, UserError
-from pipelines.fsutil import atomic_write_json, atomic_write_text
+from pipelines.fsutil import atomic_write_json, atomic_write_text, publish_dir_mode
 
 DATASET_NAME = "pyvision_distill"
 INDEX = "index.jsonl"
@@ -213,6 +213,7 @@ def _save_sample(out: Path, traj: Trajectory, sample: int) -> Path:
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{sample}.", dir=folder.parent))
     try:
+        publish_dir_mode(tmp)
         traj.save(tmp)
         if folder.exists():
             shutil.rmtree(folder)

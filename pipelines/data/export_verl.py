@@ -54,7 +54,7 @@ from pipelines.core.records import (
 )
 from pipelines.data.validate import skipped_rows
 from pipelines.errors import DataError
-from pipelines.fsutil import atomic_dir
+from pipelines.fsutil import atomic_dir, new_file_mode
 
 AGENT_NAME = "pyvision_agent"
 
@@ -157,6 +157,7 @@ def _write_parquet(rows: list[dict[str, Any]], path: Path) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
+        os.chmod(tmp, new_file_mode(path))
         pq.write_table(table, tmp)
         os.replace(tmp, path)
     except BaseException:
