@@ -80,6 +80,12 @@ def rl(
                       dry_run=True)
         if json_out:
             print_json(plan)
+        else:  # what the help and the README promise: the command, and where its files are
+            import shlex
+
+            print(shlex.join(plan["command"]))
+            err.print(f"wrote the launch files to {plan['run_dir']} (launch.sh runs the command)",
+                      soft_wrap=True)
         return
     with sd.running(force=force, resume=resume, config_hint=RERUN_CONFIG_HINT,
                     refuse_unfinished=True):

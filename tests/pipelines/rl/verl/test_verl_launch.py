@@ -463,6 +463,14 @@ def test_dry_run_through_the_cli(rl_tasks, tiny_model_dir, tmp_path):
 
     assert pq.read_table(stage / "data" / "train.parquet").num_rows == 3
     assert not (stage / "verl.log").exists() and not (stage / "manifest.json").exists()
+    # Without --json the command is printed too (it printed nothing at all before).
+    again = CliRunner().invoke(app, [
+        "rl", "-c", str(RECIPES_DIR / "pyvision-image-7b.yaml"), "--engine", "verl", "--dry-run",
+        "--model", str(tiny_model_dir), "--tasks", str(rl_tasks),
+        "--set", f"runs_dir={tmp_path / 'runs'}", "--set", "agent.image_max_pixels=50176"])
+    assert again.exit_code == 0, again.output
+    assert shlex.split(again.stdout.strip()) == plan["command"]
+    assert f"wrote the launch files to {stage}" in again.stderr
 
 
 def test_dry_run_rewrites_an_unstarted_stage_but_never_a_begun_one(rl_tasks, tmp_path):
