@@ -41,6 +41,11 @@ def show(
     if sample is not None and changed is not None:
         raise UserError("--sample and --changed cannot be combined",
                         hint="list the changes with --changed A B, then show one with --sample ID")
+    if changed is not None and (verdict is not None or model):
+        # --changed A B names its two models, and a change is fixed or broken, not a verdict.
+        raise UserError(f"--{'verdict' if verdict is not None else 'model'} does not apply to "
+                        "--changed A B", hint="drop it: --changed lists the samples whose "
+                        "verdict differs between A and B (fixed, broken)")
     st = Store(store, read_only=True)
     a, b = (t.model_key(run, m) for m in changed) if changed else (None, None)
     models = [t.model_key(run, m) for m in model or []]

@@ -332,6 +332,11 @@ def test_show_cli(evaluated, monkeypatch):
     assert bad.exit_code == 2 and "did you mean 't/rl'" in bad.output
     both = runner.invoke(app, [RUN, "--store", store, "--sample", "sq0", "--changed", "a", "b"])
     assert both.exit_code == 2 and "cannot be combined" in both.output
+    for extra in (["--verdict", "right"], ["--verdict", "bogus"], ["--model", "rl"]):
+        # ignored before: the full list of changes, exit 0, even for an unknown verdict
+        ignored = runner.invoke(app, [RUN, "--store", store, "--changed", "sft", "rl", *extra])
+        assert ignored.exit_code == 2 and f"{extra[0]} does not apply to --changed" \
+            in ignored.output
     missing = runner.invoke(app, ["nope", "--store", store])
     assert missing.exit_code == 2 and "run 'nope' is not in the store" in missing.output
 
