@@ -137,6 +137,13 @@ def _sandbox_runtime_check() -> Check:
 
 def _store_check(store_path: Path) -> Check:
     if not store_path.exists():
+        from pipelines.errors import UserError
+        from pipelines.inputs import check_store_path
+
+        try:  # it will be created on the first run: that must be possible
+            check_store_path(store_path, write=True)
+        except UserError as exc:
+            return Check("store", "warn", exc.message, exc.hint or "")
         return Check("store", "ok", f"{store_path} (not created yet; made on first run)")
     try:
         from pipelines.store import SCHEMA_VERSION, Store

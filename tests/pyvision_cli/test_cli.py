@@ -109,6 +109,15 @@ def test_doctor_json_through_root_app(tmp_path):
     assert all(c["fix"] for c in data["checks"] if c["status"] != "ok")
 
 
+def test_doctor_warns_of_a_store_that_cannot_be_created(tmp_path):
+    # It said "ok (not created yet; made on first run)", and the first run then failed.
+    (tmp_path / "afile").write_text("x")
+    result = runner.invoke(app, ["doctor", "--json", "--offline", "--store",
+                                 str(tmp_path / "afile" / "s.duckdb")])
+    (store,) = [c for c in json.loads(result.stdout)["checks"] if c["name"] == "store"]
+    assert store["status"] == "warn" and "afile" in store["found"] and store["fix"], store
+
+
 def test_unknown_command_is_usage_error():
     result = runner.invoke(app, ["nope"])
     assert result.exit_code == 2
