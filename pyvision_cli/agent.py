@@ -76,6 +76,9 @@ def run(
                          client=recipe.eval.client,
                          url_hint="start it (e.g. `vllm serve MODEL --port 8000`) and pass its "
                                   "URL to --model", model_hint="pass --served-model NAME")
+    from pipelines.eval.runner import seed_eval_sampling
+
+    seed_eval_sampling(recipe, "openai" if model.startswith(("http://", "https://")) else None)
     (traj,) = list(run_episodes([(task, Path("/"))], policy, recipe.agent, recipe.sandbox,
                                 mode="eval", batch_size=1))
     out = out_dir or Path(tempfile.mkdtemp(prefix="pyvision-agent-"))

@@ -172,6 +172,16 @@ def check_same_eval_settings(store: Store, run_id: str, recipe: Recipe) -> None:
                              "the run's stored samples and evaluate again")
 
 
+def seed_eval_sampling(recipe: Recipe, engine: str | None) -> None:
+    """Seed the in-process engine's sampling with ``recipe.seed`` when evaluation samples
+    (``agent.eval_temperature`` > 0), so that the same seed gives the same trajectories; greedy
+    decoding draws nothing, and a server samples with its own generator."""
+    if recipe.agent.eval_temperature > 0 and engine != "openai":
+        import torch
+
+        torch.manual_seed(recipe.seed)
+
+
 def _record(task: Task, traj: Any, scores: Any, scored_by: Any, media: Any, blobs: Any, *,
             run_id: str, model_tag: str, name: str, bench: Any, scoring: Scoring,
             fingerprint: str | None) -> EvalRecord:
@@ -295,6 +305,7 @@ def run_eval(recipe: Recipe, *, model: str, model_tag: str, benchmarks: list[str
         make = functools.partial(_record, run_id=run_id, model_tag=model_tag, name=name,
                                  bench=bench, scoring=scoring, fingerprint=fingerprint)
         sink = (scoring, make, writer, on_sample, progress)
+        seed_eval_sampling(recipe, engine)
         try:
             for traj in run_episodes([(t, Path("/")) for t in pending], policy,
                                      recipe.agent, recipe.sandbox, mode="eval", batch_size=batch):

@@ -384,3 +384,22 @@ def test_eval_score_json_shape_through_the_cli(tmp_path: Path) -> None:
     missing = runner.invoke(app, ["score", "--benchmark", "vsibench", "--predictions",
                                   str(tmp_path / "none.jsonl")])
     assert missing.exit_code == 2 and "predictions file not found" in missing.output
+
+
+def test_sampled_evaluation_repeats_with_the_same_seed(tiny_model_dir: Path, data_root: Path) -> None:
+    # Sampling drew from torch's global generator, which nothing seeded for evaluation: two runs
+    # of the same recipe (or two `pyvision agent run --temperature 0.7`) wrote different text.
+    import torch
+
+    store = Store()
+    texts = []
+    for run in ("s1", "s2", "s3"):
+        torch.manual_seed(len(texts) + 11)  # whatever state the process was left in
+        seed = "seed=5" if run != "s3" else "seed=6"
+        run_eval(_recipe("agent.eval_temperature=1.0", "agent.max_new_tokens_per_turn=24", seed),
+                 model=str(tiny_model_dir), model_tag="nano", benchmarks=["vstar"], run_id=run,
+                 store=store, data_dirs=_dirs(data_root, ["vstar"]), limit=2, show_progress=False)
+        texts.append([[t["assistant"] for t in r["trajectory"]["turns"]]
+                      for r in store.eval_records(run, with_trajectory=True)])
+    assert texts[0] == texts[1]
+    assert texts[0] != texts[2]  # the seed decides: another seed, other samples
