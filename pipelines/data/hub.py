@@ -364,7 +364,9 @@ def _import(ds: HubDataset, from_dir: Path, out: Path, *, strict: bool) -> dict[
                         f"no data files ({', '.join(patterns)}) under {from_dir}",
                         hint=f"pass the folder holding the downloaded copy of {ds.repo_id}")
     out.mkdir(parents=True, exist_ok=True)
-    _link_media(from_dir, out)
+    link = out / MEDIA_LINK
+    before = os.readlink(link) if link.is_symlink() else None
+    _link_media(from_dir, out)  # the rows' media are checked through it
     media = _MediaIndex(from_dir)
     report = ReadReport(str(from_dir))
 
@@ -373,19 +375,30 @@ def _import(ds: HubDataset, from_dir: Path, out: Path, *, strict: bool) -> dict[
             raise DataError(f"{where}: {detail}", hint="fix the row or import without --strict")
         report.skip(reason, where, detail)
 
+    # Everything is converted and checked before anything is written: a failed import into an
+    # --out that held an earlier import leaves that import as it was, its media link included.
+    try:
+        if ds.kind == "sft":
+            records: list[Any] = _convert_sft(rows, media, out, report, bad)
+        else:
+            records = _convert_rl(rows, media, out, report, bad, ds.name)
+        if not records:
+            raise DataError(f"no usable rows in {from_dir} ({report.read} read; "
+                            f"{report.problems[0] if report.problems else 'none matched'})",
+                            hint=f"check that this is a copy of {ds.repo_id}")
+    except BaseException:
+        if os.path.islink(link) and os.readlink(link) != before:
+            link.unlink()
+            if before is not None:
+                os.symlink(before, link)
+        raise
     if ds.kind == "sft":
-        records = _convert_sft(rows, media, out, report, bad)
         write_conversations(out / "conversations.jsonl", records)
         output = "conversations.jsonl"
     else:
-        records = _convert_rl(rows, media, out, report, bad, ds.name)
         write_tasks(out / "tasks.jsonl", records)
         output = "tasks.jsonl"
     report.kept = len(records)
-    if not records:
-        raise DataError(f"no usable rows in {from_dir} ({report.read} read; "
-                        f"{report.problems[0] if report.problems else 'none matched'})",
-                        hint=f"check that this is a copy of {ds.repo_id}")
     manifest = {"dataset": ds.name, "repo_id": ds.repo_id, "kind": ds.kind, "output": output,
                 "from_dir": str(from_dir), "seconds": round(time.monotonic() - start, 2),
                 **report.as_dict()}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -229,6 +230,31 @@ def test_a_failed_import_leaves_no_output_behind(tmp_path, name, make, match):
     with pytest.raises(DataError, match=match):
         hub.import_dataset(name, tmp_path / "copy", existing)
     assert [p.name for p in existing.iterdir()] == ["raw"]
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_failed_import_into_an_earlier_one_leaves_it_as_it_was(tmp_path, strict):
+    # The second import's rows were converted after the earlier tasks.jsonl had been emptied and
+    # the media link pointed at the failed copy: the earlier import was gone, its manifest left.
+    row = {"id": "t1", "question": "What is 1+1?", "answer": "2", "image_path": "images/a.png"}
+    _img(tmp_path / "good" / "images" / "a.png")
+    (tmp_path / "good" / "rows.jsonl").write_text(json.dumps(row) + "\n")
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "rows.jsonl").write_text(
+        json.dumps(row | {"image_path": "images/missing.png"}) + "\n")
+    out = tmp_path / "imp"
+    hub.import_dataset("pyvision-image-rl", tmp_path / "good", out)
+    before = {p.name: (os.readlink(p) if p.is_symlink() else p.read_bytes())
+              for p in out.iterdir()}
+    with pytest.raises(DataError, match="missing.png"):
+        hub.import_dataset("pyvision-image-rl", tmp_path / "bad", out, strict=strict)
+    assert {p.name: (os.readlink(p) if p.is_symlink() else p.read_bytes())
+            for p in out.iterdir()} == before
+    made = tmp_path / "made"  # an empty --out made beforehand keeps nothing of a failed import
+    made.mkdir()
+    with pytest.raises(DataError, match="missing.png"):
+        hub.import_dataset("pyvision-image-rl", tmp_path / "bad", made, strict=strict)
+    assert list(made.iterdir()) == []
 
 
 def _conversations(folder: Path, lines: list[str]) -> Path:
