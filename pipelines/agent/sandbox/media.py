@@ -81,6 +81,6 @@ def frame_from_pixels(spec: Any, blob: bytes) -> Any:
         w, h = (int(v) for v in spec["size"])
         ok = spec["mode"] == "RGB" and w > 0 and h > 0 and w * h <= MAX_IMAGE_PIXELS \
             and len(blob) == w * h * 3
-    except (TypeError, KeyError, ValueError):
+    except (TypeError, KeyError, ValueError, OverflowError):  # JSON's Infinity: OverflowError
         return None
     return Image.frombytes("RGB", (w, h), blob) if ok else None

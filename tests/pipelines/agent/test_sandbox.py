@@ -246,6 +246,10 @@ FORGE = ("import sys, struct, json\nf = sys._getframe()\n"
     (("send(json.dumps({'status': 'ok', 'images': [{'mode': 'RGB', 'size': [2561, 2561]}]})"
       ".encode())\nsend(bytes(2561 * 2561 * 3))"), lambda r: r.frames == []
      and "1 invalid image(s) dropped" in r.stderr),
+    # JSON's Infinity as a size: int() raises OverflowError, not ValueError
+    (("send(b'{\"status\": \"ok\", \"images\": [{\"mode\": \"RGB\", "
+      "\"size\": [Infinity, 1]}]}')\nsend(bytes(3))"), lambda r: r.frames == []
+     and "1 invalid image(s) dropped" in r.stderr),
 ])
 def test_a_forged_reply_is_held_to_the_limits_never_raised(forged, check):
     cfg = SandboxConfig(timeout_s=5, max_output_chars=2000)
