@@ -399,6 +399,9 @@ SECCOMP_RULES = {
     "x86_64": (0xC000003E, (319, 447, 29, 425), 41),
     "aarch64": (0xC00000B7, (279, 447, 194, 425), 198),
 }
+# Refused too in rlimit mode, where a process group is all that ends a sandbox's processes:
+# setpgid and setsid, so that nothing the code starts can leave the group the zygote kills.
+SECCOMP_GROUP_CALLS = {"x86_64": (109, 112), "aarch64": (154, 157)}
 _X32_BIT = 0x40000000  # x86_64's x32 ABI: the same calls by other numbers; Python never uses it
 _AF_UNIX = 1
 
@@ -423,16 +426,20 @@ def seccomp_program(arch: int, denied: tuple[int, ...],
     return [*prog, (ret, 0, 0, SECCOMP_RET_ALLOW), (ret, 0, 0, deny)]
 
 
-def install_seccomp_filter() -> bool:
-    """Install the seccomp filter of ``SECCOMP_RULES`` for this process and the threads and
-    processes it starts after; False where it cannot (another architecture, a kernel without
-    seccomp), and the limits stay the rlimits (and in strict mode the namespaces) alone."""
+def install_seccomp_filter(keep_group: bool = False) -> bool:
+    """Install the seccomp filter of ``SECCOMP_RULES`` (with ``keep_group``, refusing
+    ``SECCOMP_GROUP_CALLS`` too) for this process and the threads and processes it starts after;
+    False where it cannot (another architecture, a kernel without seccomp), and the limits stay
+    the rlimits (and in strict mode the namespaces) alone."""
     import platform
 
     known = SECCOMP_RULES.get(platform.machine())
     if known is None:
         return False
-    program = seccomp_program(*known)
+    arch, denied, socket_nr = known
+    if keep_group:
+        denied += SECCOMP_GROUP_CALLS[platform.machine()]
+    program = seccomp_program(arch, denied, socket_nr)
     filters = (_SockFilter * len(program))(*(_SockFilter(*ins) for ins in program))
     fprog = _SockFprog(len(program), filters)
     if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
@@ -1678,7 +1685,8 @@ def spawn(conn_fd: int, limits: dict, preloaded: dict, mode: str, control_fd: in
             output_fd = os.memfd_create("pyvision-output", os.MFD_CLOEXEC)
             os.ftruncate(output_fd, output_buffer_size(int(limits["max_output_chars"])))
             apply_rlimits(limits, mode)
-            install_seccomp_filter()  # after the output buffer's memfd, before any thread
+            # After the output buffer's memfd, before any thread.
+            install_seccomp_filter(keep_group=mode != "strict")
             libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
             setup_fd = os.dup(2)
             try:
@@ -1732,12 +1740,16 @@ def zygote_main(control_fd: int, mode: str) -> None:
     while True:
         ready, _, _ = select.select([control], [], [], 0.05)
         while True:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
+            try:  # (left a zombie: its pid, the number of its process group, is not reused yet)
+                exited = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
             except ChildProcessError:
                 break
-            if pid == 0:
+            if exited is None:
                 break
+            pid = exited.si_pid
+            if pid in children:  # what its worker left running ends with it
+                end_sandbox(pid, mode)
+            _, status = os.waitpid(pid, 0)
             sid = children.pop(pid, None)
             if sid is not None:
                 info = {"signal": os.WTERMSIG(status)} if os.WIFSIGNALED(status) \
@@ -1754,7 +1766,7 @@ def zygote_main(control_fd: int, mode: str) -> None:
             os._exit(0)
         if not data:
             for pid in children:
-                os.kill(pid, signal.SIGKILL)
+                end_sandbox(pid, mode)
             os._exit(0)
         msg = json.loads(data)
         if msg["op"] == "spawn" and fds:
@@ -1764,12 +1776,19 @@ def zygote_main(control_fd: int, mode: str) -> None:
         elif msg["op"] == "kill":
             for pid, sid in children.items():
                 if sid == msg["id"]:
-                    try:
-                        if mode != "strict":
-                            os.killpg(pid, signal.SIGKILL)  # the intermediate leads the group
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
+                    end_sandbox(pid, mode)
+
+
+def end_sandbox(pid: int, mode: str) -> None:
+    """SIGKILL the sandbox whose intermediate is ``pid``: in strict mode the worker, pid 1 of its
+    namespace, dies with it and takes every process with it; in rlimit mode every process the
+    code started is in the intermediate's process group (the seccomp filter refuses leaving it),
+    which is killed whole, even once the intermediate has exited (a zombie, not yet reaped)."""
+    if mode != "strict":
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)  # the intermediate leads the group
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
 
 
 def extend_import_path(entries: str) -> None:

@@ -195,13 +195,14 @@ def _gone_within(marker: str, seconds: float) -> bool:
     return _running(marker) == []
 
 
-def _orphan(marker: str) -> str:
-    """Code that starts a detached grandchild (its own session) under a command line of its own
-    (a forked worker would keep the zygote's, which is no way to find it), and waits until it
-    runs."""
+def _orphan(marker: str, new_session: bool = True) -> str:
+    """Code that starts a detached grandchild (its own session, unless not ``new_session``)
+    under a command line of its own (a forked worker would keep the zygote's, which is no way to
+    find it), and waits until it runs."""
     return ("import os, sys, time\n"
             "r, w = os.pipe()\n"
-            "if os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+            "if os.fork() == 0:\n" + ("    os.setsid()\n" if new_session else "")
+            + "    if os.fork() == 0:\n"
             "        os.write(w, b'1')\n"
             "        os.execv(sys.executable, [sys.executable, '-c', "
             f"'import time\\nwhile True: time.sleep(1)', {marker!r}])\n"
@@ -220,6 +221,33 @@ def test_processes_a_call_starts_end_with_the_call_or_its_timeout():
         assert _ok(s.run("print(kept)")) == "state\n"  # the runtime itself lives on
         assert s.run(_orphan(marker) + "while True: pass").status == "timeout"
         assert _gone_within(marker, 5)
+
+
+def test_rlimit_mode_ends_every_process_a_sandbox_started():
+    """Without a pid namespace the intermediate's process group is what ends a sandbox's
+    processes: the code cannot leave it (setsid, setpgid), and what a worker that exited left
+    running (holding the socket to the host open) ends with it, not at a timeout or never."""
+    import platform
+
+    from pipelines.agent.sandbox import isolation
+    from pipelines.agent.sandbox._zygote import SECCOMP_RULES
+
+    if platform.machine() not in SECCOMP_RULES:
+        pytest.skip("no filter for this architecture")
+    isolation._warned_rlimit = True  # the rlimit warning has its own test
+    marker = f"pyvision-orphan-{os.getpid()}"
+    try:
+        with Sandbox(SandboxConfig(timeout_s=3, isolation="rlimit")) as s:
+            out = _ok(s.run("import os\nfor leave in (os.setsid, lambda: os.setpgid(0, 0)):\n"
+                            "    try:\n        leave()\n        print('left')\n"
+                            "    except PermissionError:\n        print('refused')\n"))
+            assert out == "refused\nrefused\n"
+            result = s.run(_orphan(marker, new_session=False) + "os._exit(3)")
+            assert result.status == "crashed", result
+            assert _gone_within(marker, 5), "a process outlived the worker that started it"
+    finally:
+        for pid in _running(marker):
+            os.kill(int(pid), 9)
 
 
 # Model code shares the worker's process, so it can reach the worker's socket to the host and
