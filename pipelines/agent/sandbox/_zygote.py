@@ -31,6 +31,7 @@ import mmap
 import os
 import resource
 import select
+import shutil
 import signal
 import socket
 import struct
@@ -1644,8 +1645,10 @@ def _close_fds_except(keep: set[int]) -> None:
 
 
 def spawn(conn_fd: int, limits: dict, preloaded: dict, mode: str, control_fd: int,
-          sid: str) -> int:
-    """Fork the processes of one sandbox; return the pid the zygote tracks."""
+          sid: str, workdir: str | None = None) -> int:
+    """Fork the processes of one sandbox; return the pid the zygote tracks. ``workdir``: the
+    worker's own folder in rlimit mode (made by the zygote, which removes it when the sandbox
+    ends)."""
     pid = os.fork()
     if pid:
         os.close(conn_fd)
@@ -1679,7 +1682,7 @@ def spawn(conn_fd: int, limits: dict, preloaded: dict, mode: str, control_fd: in
                 drop_capabilities()
                 workdir = "/tmp"
             else:  # its own folder under the zygote's temporary one, the only one it may write
-                workdir = tempfile.mkdtemp(prefix="pyvision-sbx-")
+                workdir = workdir or tempfile.mkdtemp(prefix="pyvision-sbx-")
                 confine_files(READABLE, workdir)
             # Sized before the file-size rlimit applies (it bounds memfds too).
             output_fd = os.memfd_create("pyvision-output", os.MFD_CLOEXEC)
@@ -1735,6 +1738,16 @@ def zygote_main(control_fd: int, mode: str) -> None:
     preloaded = _preload()
     _warm_up(preloaded)
     children: dict[int, str] = {}
+    workdirs: dict[int, str] = {}  # rlimit mode: each sandbox's folder, removed when it ends
+
+    def hang_up() -> None:
+        """The host is gone: end every sandbox (its processes, its folder) and this zygote."""
+        for pid in children:
+            end_sandbox(pid, mode)
+        for path in workdirs.values():
+            shutil.rmtree(path, ignore_errors=True)
+        os._exit(0)
+
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     control.send(json.dumps({"event": "ready", "uid": os.getuid(), "pid": os.getpid()}).encode())
     while True:
@@ -1750,6 +1763,8 @@ def zygote_main(control_fd: int, mode: str) -> None:
             if pid in children:  # what its worker left running ends with it
                 end_sandbox(pid, mode)
             _, status = os.waitpid(pid, 0)
+            if pid in workdirs:  # (symbolic links the code left in it are removed, not followed)
+                shutil.rmtree(workdirs.pop(pid), ignore_errors=True)
             sid = children.pop(pid, None)
             if sid is not None:
                 info = {"signal": os.WTERMSIG(status)} if os.WIFSIGNALED(status) \
@@ -1757,21 +1772,26 @@ def zygote_main(control_fd: int, mode: str) -> None:
                 try:
                     control.send(json.dumps({"event": "exit", "id": sid, **info}).encode())
                 except OSError:
-                    os._exit(0)
+                    hang_up()
         if not ready:
             continue
         try:
             data, fds, _, _ = socket.recv_fds(control, 65536, 4)
         except OSError:
-            os._exit(0)
+            hang_up()
         if not data:
-            for pid in children:
-                end_sandbox(pid, mode)
-            os._exit(0)
+            hang_up()
         msg = json.loads(data)
         if msg["op"] == "spawn" and fds:
-            pid = spawn(fds[0], msg["limits"], preloaded, mode, control.fileno(), msg["id"])
+            workdir = None
+            if mode != "strict":
+                with contextlib.suppress(OSError):  # (else the worker tries, and says why)
+                    workdir = tempfile.mkdtemp(prefix="pyvision-sbx-")
+            pid = spawn(fds[0], msg["limits"], preloaded, mode, control.fileno(), msg["id"],
+                        workdir)
             children[pid] = msg["id"]
+            if workdir:
+                workdirs[pid] = workdir
             control.send(json.dumps({"event": "spawned", "id": msg["id"]}).encode())
         elif msg["op"] == "kill":
             for pid, sid in children.items():

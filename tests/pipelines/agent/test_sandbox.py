@@ -250,6 +250,33 @@ def test_rlimit_mode_ends_every_process_a_sandbox_started():
             os.kill(int(pid), 9)
 
 
+def test_an_rlimit_sandbox_s_folder_is_removed_when_it_ends(tmp_path):
+    """An rlimit-mode worker's own folder (what the code wrote, a video task's copy of its
+    video) is removed when its sandbox ends, a crashed worker's at once: not at the host's exit,
+    which let a long evaluation fill /tmp. Links the code left there are not followed."""
+    from pipelines.agent.sandbox import isolation
+
+    def gone(path: str) -> bool:
+        deadline = time.monotonic() + 5
+        while os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return not os.path.exists(path)
+
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "file.txt").write_text("host data")
+    isolation._warned_rlimit = True  # the rlimit warning has its own test
+    with Sandbox(SandboxConfig(timeout_s=5, isolation="rlimit")) as s:
+        first = _ok(s.run("import os\nopen('data.bin', 'wb').write(bytes(1000))\n"
+                          f"os.symlink({str(kept)!r}, 'link')\nprint(os.getcwd())")).strip()
+        assert os.path.isfile(os.path.join(first, "data.bin"))
+        assert s.run("import os\nos._exit(3)").status == "crashed"
+        second = _ok(s.run("import os\nprint(os.getcwd())")).splitlines()[-1]  # restarted
+        assert second != first and gone(first)
+    assert gone(second)
+    assert (kept / "file.txt").read_text() == "host data"
+
+
 # Model code shares the worker's process, so it can reach the worker's socket to the host and
 # write any reply it likes: the host holds the reply to the limits itself.
 FORGE = ("import sys, struct, json\nf = sys._getframe()\n"
