@@ -395,10 +395,12 @@ SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO = 0x7FFF0000, 0x00050000
 #   file held by a descriptor) and SysV shmget (a segment outlives its mapping);
 # - io_uring_setup: a ring's operations open sockets and files without the system calls below;
 # - socket() for any family but AF_UNIX (the socket library's own, as for the worker's link to
-#   the host): no network, even in rlimit mode, which has no network namespace.
+#   the host): no network, even in rlimit mode, which has no network namespace;
+# - prctl(PR_SET_PDEATHSIG): the worker's death signal is what ends it (pid 1 of its namespace,
+#   with every process it started) when the zygote kills its intermediate at a timeout or close.
 SECCOMP_RULES = {
-    "x86_64": (0xC000003E, (319, 447, 29, 425), 41),
-    "aarch64": (0xC00000B7, (279, 447, 194, 425), 198),
+    "x86_64": (0xC000003E, (319, 447, 29, 425), 41, 157),
+    "aarch64": (0xC00000B7, (279, 447, 194, 425), 198, 167),
 }
 # Refused too in rlimit mode, where a process group is all that ends a sandbox's processes:
 # setpgid and setsid, so that nothing the code starts can leave the group the zygote kills.
@@ -407,20 +409,24 @@ _X32_BIT = 0x40000000  # x86_64's x32 ABI: the same calls by other numbers; Pyth
 _AF_UNIX = 1
 
 
-def seccomp_program(arch: int, denied: tuple[int, ...],
-                    socket_nr: int) -> list[tuple[int, int, int, int]]:
-    """The classic-BPF program (code, jt, jf, k) that refuses ``denied`` and ``socket_nr`` (the
-    socket call) for every address family but AF_UNIX with EPERM on ``arch``, and allows every
-    other call (a call of another architecture too: nothing to compare)."""
+def seccomp_program(arch: int, denied: tuple[int, ...], socket_nr: int,
+                    prctl_nr: int) -> list[tuple[int, int, int, int]]:
+    """The classic-BPF program (code, jt, jf, k) that refuses ``denied``, ``socket_nr`` (the
+    socket call) for every address family but AF_UNIX and ``prctl_nr`` (prctl) for
+    PR_SET_PDEATHSIG with EPERM on ``arch``, and allows every other call (a call of another
+    architecture too: nothing to compare)."""
     ld_abs, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06
     k = len(denied)
     deny = SECCOMP_RET_ERRNO | 1  # EPERM
-    # Jumps count the instructions skipped: ALLOW is at index k + 7, DENY at k + 8.
+    # Jumps count the instructions skipped: ALLOW is at index k + 10, DENY at k + 11.
     prog = [(ld_abs, 0, 0, 4),  # seccomp_data.arch
-            (jeq, 0, k + 5, arch),  # another architecture: to ALLOW
+            (jeq, 0, k + 8, arch),  # another architecture: to ALLOW
             (ld_abs, 0, 0, 0),  # seccomp_data.nr
-            (jge, k + 4, 0, _X32_BIT)]  # an x32 call: to DENY
-    prog += [(jeq, k + 3 - i, 0, nr) for i, nr in enumerate(denied)]
+            (jge, k + 7, 0, _X32_BIT)]  # an x32 call: to DENY
+    prog += [(jeq, k + 6 - i, 0, nr) for i, nr in enumerate(denied)]
+    prog += [(jeq, 0, 2, prctl_nr),  # not prctl(): to the socket() check
+             (ld_abs, 0, 0, 16),  # the low word of args[0], the option (an int)
+             (jeq, 4, 3, PR_SET_PDEATHSIG)]  # PR_SET_PDEATHSIG: to DENY, else to ALLOW
     prog += [(jeq, 0, 2, socket_nr),  # not socket(): to ALLOW
              (ld_abs, 0, 0, 16),  # the low word of args[0], the family (an int)
              (jeq, 0, 1, _AF_UNIX)]  # AF_UNIX: to ALLOW, else to DENY
@@ -437,10 +443,10 @@ def install_seccomp_filter(keep_group: bool = False) -> bool:
     known = SECCOMP_RULES.get(platform.machine())
     if known is None:
         return False
-    arch, denied, socket_nr = known
+    arch, denied, socket_nr, prctl_nr = known
     if keep_group:
         denied += SECCOMP_GROUP_CALLS[platform.machine()]
-    program = seccomp_program(arch, denied, socket_nr)
+    program = seccomp_program(arch, denied, socket_nr, prctl_nr)
     filters = (_SockFilter * len(program))(*(_SockFilter(*ins) for ins in program))
     fprog = _SockFprog(len(program), filters)
     if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:

@@ -14,8 +14,9 @@ What is isolated (``isolation: bwrap``, the default where bubblewrap works)
   core dumps. A wall-clock timeout kills the sandbox's pid 1, which takes every process it
   started with it (double-forked daemons included); when a call returns, pid 1 ends every
   process the call left running. A seccomp filter refuses ``memfd_create``, ``memfd_secret``
-  and ``shmget``, whose memory the address-space limit does not count, ``io_uring_setup``, and
-  ``socket`` for every family but ``AF_UNIX``.
+  and ``shmget``, whose memory the address-space limit does not count, ``io_uring_setup``,
+  ``socket`` for every family but ``AF_UNIX``, and ``prctl(PR_SET_PDEATHSIG)`` (the death signal
+  that ends pid 1 when its parent is killed).
 - The code shares the worker's process, so it can forge the worker's reply: the host holds every
   reply to the limits itself (field types, output length, header size, the shown images' pixels
   and aspect, the call's deadline) and reads anything else as a crash, never an exception.

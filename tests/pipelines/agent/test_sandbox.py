@@ -5,6 +5,7 @@ The strict-mode tests need bubblewrap (CI installs it); they are skipped only wh
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -221,6 +222,38 @@ def test_processes_a_call_starts_end_with_the_call_or_its_timeout():
         assert _ok(s.run("print(kept)")) == "state\n"  # the runtime itself lives on
         assert s.run(_orphan(marker) + "while True: pass").status == "timeout"
         assert _gone_within(marker, 5)
+
+
+@strict
+def test_a_worker_that_clears_its_death_signal_still_ends_with_its_timeout():
+    """The zygote ends a strict sandbox by killing its intermediate: the worker (pid 1 of its
+    namespace) dies by its parent-death signal, which the code cannot clear (it would sleep on,
+    with its memory, after the timeout and the sandbox's close); other prctl options work."""
+    name = f"pv-{os.getpid()}"[:15]
+
+    def named() -> list[int]:
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            with contextlib.suppress(OSError):
+                if Path(f"/proc/{pid}/comm").read_text().strip() == name:
+                    found.append(int(pid))
+        return found
+
+    try:
+        with Sandbox(SandboxConfig(timeout_s=3, isolation="bwrap")) as s:
+            result = s.run(f"import ctypes, time\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+                           f"print(libc.prctl(15, {name.encode()!r}, 0, 0, 0), "
+                           "libc.prctl(1, 0, 0, 0, 0), ctypes.get_errno(), flush=True)\n"
+                           "while True:\n    time.sleep(0.1)\n")
+            assert result.status == "timeout", result
+            deadline = time.monotonic() + 5
+            while named() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert named() == [], "the worker outlived its timeout"
+            assert result.stdout == "0 -1 1\n"  # PR_SET_NAME works, PR_SET_PDEATHSIG: EPERM
+    finally:
+        for pid in named():
+            os.kill(pid, 9)
 
 
 def test_rlimit_mode_ends_every_process_a_sandbox_started():
