@@ -162,6 +162,14 @@ def parse_turn(text: str) -> ParsedTurn:
     return ParsedTurn("none")
 
 
+def inert_markers(text: str) -> str:
+    """``text`` (what the code printed) with every ``<|...|>`` chat-template marker broken by a
+    zero-width space: the tokenizer would read ``<|im_end|>`` as a real turn end and
+    ``<|image_pad|>`` as an image's token (the processor then fails for want of its image), so
+    the code could forge turns or end the run that feeds the model."""
+    return text.replace("<|", "<\u200b|")
+
+
 def format_observation(status: str, stdout: str, stderr: str, n_images: int,
                        first_figure: int, on_error: str) -> list[dict]:
     """The interpreter turn as chat content parts (text, and one image part per figure).
@@ -173,7 +181,7 @@ def format_observation(status: str, stdout: str, stderr: str, n_images: int,
     body = stdout.rstrip("\n")
     if status != "ok" and on_error == "feedback":
         body = (body + "\n" if body else "") + f"Error ({status}):\n{stderr.rstrip()}"
-    text += (body if body else "None") + "\n"
+    text += (inert_markers(body) if body else "None") + "\n"
     parts: list[dict] = []
     if n_images:
         text += "Image Result:\n"
