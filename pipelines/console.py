@@ -7,6 +7,14 @@ from rich.console import Console
 err = Console(stderr=True, highlight=False)
 
 
+def terminal_text(text: str) -> str:
+    """What model-written code printed (or a model wrote), safe to show on a terminal: control
+    characters but newlines and tabs shown escaped, so that escape sequences cannot set its
+    title, write the clipboard (OSC 52) or redraw the screen. Show it as a rich ``Text``, never
+    as markup (``[/x]`` would raise, ``[link=...]`` would make a link)."""
+    return "".join(c if c.isprintable() or c in "\n\t" else repr(c)[1:-1] for c in text)
+
+
 class StatusProgress:
     """A transient progress bar on ``err`` whose last column shows ``status()`` as it changes
     (a stalled server, a retry), refreshed by rich's own thread even while the caller waits.

@@ -29,6 +29,7 @@ from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
+from pipelines.console import terminal_text
 from pipelines.core.media import EXTENSION
 from pipelines.errors import UserError
 from pipelines.report.trajectories import (
@@ -276,7 +277,7 @@ def render_sample(console: Console, ts: TrajectorySet, entries: list[dict[str, A
 def render_entry(console: Console, ts: TrajectorySet, e: dict[str, Any], images: Images) -> None:
     s = ts.samples[e["s"]]
     head = (f"{escape(ts.models[e['m']]['key'])} · {_verdict(e['verdict'])} · answer "
-            f"{escape(str(e['prediction']))} (gold {escape(s['gold'])})")
+            f"{escape(terminal_text(str(e['prediction'])))} (gold {escape(s['gold'])})")
     score = "-" if e["score"] is None else f"{e['score']:.3f}"
     facts = (f"score {e['metric'] or '-'} = {score}"
              f" · scored by {e['scored_by']} ({e['scorer']}) · {_n(e['turns'], 'turn')} · "
@@ -290,24 +291,24 @@ def render_entry(console: Console, ts: TrajectorySet, e: dict[str, Any], images:
             console.print(f"  [yellow]the code sampled no frames ({e['visual']} visual tokens)[/]")
     for i, t in enumerate(e["steps"], start=1):
         console.print(Rule(f"model, turn {i}", align="left", style="dim"))
-        if t["text"]:
-            console.print(Text(t["text"]))
+        if t["text"]:  # (the model's text and its code's output: never raw to the terminal)
+            console.print(Text(terminal_text(t["text"])))
         if "code" in t:
-            console.print(Syntax(t["code"], "python", theme="ansi_dark", word_wrap=True,
+            console.print(Syntax(terminal_text(t["code"]), "python", theme="ansi_dark", word_wrap=True,
                                  background_color="default"))
             body = [Text(f"{t['status']} ({t['tool_s']} s)"
                          + (", output truncated" if t["truncated"] else ""), style="bold")]
             if t["out"]:
-                body.append(Text(t["out"]))
+                body.append(Text(terminal_text(t["out"])))
             if t["err"]:
-                body.append(Text(t["err"], style="red"))
+                body.append(Text(terminal_text(t["err"]), style="red"))
             console.print(Panel(Group(*body), title="interpreter", title_align="left",
                                 border_style="yellow" if t["status"] == "ok" else "red"))
             for k, sha in enumerate(t.get("imgs") or [], start=1):
                 images.show(sha, f"interpreter image {k}")
             if t.get("after"):
-                console.print(Text(t["after"]))
-    console.print(f"[bold]final answer:[/] {escape(str(e['prediction']))} · gold "
+                console.print(Text(terminal_text(t["after"])))
+    console.print(f"[bold]final answer:[/] {escape(terminal_text(str(e['prediction'])))} · gold "
                   f"{escape(s['gold'])} · {_verdict(e['verdict'])}", highlight=False)
 
 

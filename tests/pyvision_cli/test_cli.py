@@ -212,3 +212,36 @@ def test_blank_value_reads_the_raw_arguments():
     assert blank_value(["--out", "x", "--question", "\t"]) == "--question"
     assert blank_value(["--served-model="]) == "--served-model"
     assert blank_value(["--json", ""]) == "--json"
+
+
+def test_agent_run_shows_model_text_and_output_as_text(tmp_path, monkeypatch):
+    # What the model wrote and its code printed is shown as plain text: no escape sequence
+    # reaches the terminal, and rich markup in it is neither applied nor an error ([/x] raised).
+    from PIL import Image
+
+    import pipelines.agent.loop
+    import pipelines.agent.policies
+    import pipelines.inputs
+    from pipelines.agent.trajectory import ToolResult, Trajectory, Turn
+
+    hostile = "[/oops] [link=file:///etc]x[/link] \x1b]52;c;cHduZWQ=\x07"
+
+    def episodes(*_args, **_kwargs):
+        traj = Trajectory(task_id="cli", data_source="cli", variant="v", prompt_version="1",
+                          prompt_hash="h", mode="eval")
+        traj.turns = [Turn(assistant=hostile, code=f"print({hostile!r})",
+                           result=ToolResult("error", hostile, hostile, 0.1, 0, False)),
+                      Turn(assistant=hostile)]
+        return [traj]
+
+    monkeypatch.setattr(pipelines.inputs, "check_model", lambda model: None)
+    monkeypatch.setattr(pipelines.agent.policies, "make_policy", lambda *a, **k: None)
+    monkeypatch.setattr(pipelines.agent.loop, "run_episodes", episodes)
+    img = tmp_path / "a.png"
+    Image.new("RGB", (64, 64)).save(img)
+    result = runner.invoke(app, ["agent", "run", "--model", "m", "--question", "q", "--image",
+                                 str(img), "--out-dir", str(tmp_path / "out")],
+                           prog_name="pyvision")
+    assert result.exit_code == 0, result.output
+    assert "\x1b" not in result.output and "\x07" not in result.output
+    assert "[/oops]" in result.output and "[link=file:///etc]" in result.output

@@ -1046,6 +1046,21 @@ def test_cli_run_json_and_exit_codes(tmp_path):
     assert bad.exit_code == 2 and "code file not found" in bad.output
 
 
+def test_cli_run_shows_what_the_code_printed_without_its_escape_sequences(tmp_path):
+    """Printed escape sequences would drive the user's terminal (OSC 52 writes its clipboard)."""
+    from typer.testing import CliRunner
+
+    from pyvision_cli.sandbox import app
+
+    code = tmp_path / "code.py"
+    code.write_text('print("A\\x1b]52;c;cHduZWQ=\\x07B")\nraise ValueError("E\\x1b]0;t\\x07F")\n')
+    result = CliRunner().invoke(app, ["run", str(code), "--timeout", "10"])
+    assert result.exit_code == 0, result.output
+    shown = result.stdout + result.stderr
+    assert "\x1b" not in shown and "\x07" not in shown, repr(shown)
+    assert "A\\x1b]52;c;cHduZWQ=\\x07B" in shown and "E\\x1b]0;t\\x07F" in shown
+
+
 # -- what a failed call still says ---------------------------------------------------------------
 # A call that times out, crashes, ends the process or is killed for memory returns what the code
 # printed before (bounded), followed by the reason.

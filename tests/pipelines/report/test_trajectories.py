@@ -422,3 +422,24 @@ def test_a_store_from_before_thumbnails_still_reports(evaluated, tmp_path):
     sft = next(e for e in ts.entries if ts.models[e["m"]]["model"] == "sft"
                and ts.samples[e["s"]]["benchmark"] == "synth-image")
     assert sft["steps"][0]["imgs"] == [None]  # the page says "(interpreter image 1 not stored)"
+
+
+def test_the_terminal_view_shows_model_text_and_output_without_escape_sequences():
+    # What the model wrote and its code printed would otherwise drive the terminal (OSC 52
+    # writes its clipboard); markup in it is shown, not applied.
+    from types import SimpleNamespace
+
+    from pipelines.report.terminal import render_entry
+
+    hostile = "[/oops] A\x1b]52;c;cHduZWQ=\x07B"
+    ts = SimpleNamespace(samples=[{"gold": "B", "video": None}], models=[{"key": "t/rl"}])
+    step = {"text": hostile, "code": f"print({hostile!r})", "status": "error", "tool_s": 0.1,
+            "truncated": False, "out": hostile, "err": hostile, "after": hostile}
+    entry = {"s": 0, "m": 0, "verdict": "wrong", "prediction": hostile, "score": 0.0,
+             "metric": "acc", "scored_by": "rules", "scorer": "exact", "turns": 2, "tools": 1,
+             "failed": 1, "visual": 0, "stop": "answered", "seconds": 1.0, "steps": [step]}
+    console = _console(width=200, terminal=True)
+    render_entry(console, ts, entry, SimpleNamespace(show=lambda *a: None))
+    out = console.file.getvalue()
+    assert "\x1b" not in out and "\x07" not in out, repr(out)
+    assert out.count("[/oops] A\\x1b]52;c;cHduZWQ=\\x07B") >= 5
