@@ -211,9 +211,12 @@ def _recv_frame(sock: socket.socket, limit: int, deadline: float | None = None) 
 
 def _bounded(text: Any, limit: int) -> tuple[str, bool]:
     """``text`` as the worker would have bounded it (head, marker, tail) where it is longer than
-    that could be; a value that is not text is dropped."""
+    that could be, and as valid Unicode (a lone surrogate, which JSON can carry but no tokenizer
+    or UTF-8 file takes, is "?" as the worker writes it); a value that is not text is dropped."""
     if not isinstance(text, str):
         return "", text is not None
+    if not text.isascii():
+        text = text.encode("utf-8", "replace").decode("utf-8")
     if len(text) <= limit + _MARKER_ROOM:
         return text, False
     half = limit // 2

@@ -334,6 +334,9 @@ FORGE = ("import sys, struct, json\nf = sys._getframe()\n"
     (("send(json.dumps({'status': 'ok', 'images': [{'mode': 'RGB', 'size': [2561, 2561]}]})"
       ".encode())\nsend(bytes(2561 * 2561 * 3))"), lambda r: r.frames == []
      and "1 invalid image(s) dropped" in r.stderr),
+    # lone surrogates, which JSON carries but the tokenizer (or a UTF-8 file) refuses
+    ("send(b'{\"status\": \"ok\", \"stdout\": \"x\\\\ud800y\", \"stderr\": \"\\\\udfff\"}')",
+     lambda r: r.stdout == "x?y" and r.stderr == "?"),
     # JSON's Infinity as a size: int() raises OverflowError, not ValueError
     (("send(b'{\"status\": \"ok\", \"images\": [{\"mode\": \"RGB\", "
       "\"size\": [Infinity, 1]}]}')\nsend(bytes(3))"), lambda r: r.frames == []
