@@ -486,12 +486,15 @@ def landlock_abi() -> int:
     return max(int(version), 0)
 
 
-def readable_paths() -> list[str]:
-    """The folders and files a confined worker may read: this interpreter's prefixes and import
-    folders (``-I``: never the checkout or the working directory) and ``_LANDLOCK_READABLE``."""
+def readable_paths(roots: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """The folders and files a confined worker may read: this interpreter's prefixes, its site
+    folders, ``roots`` (the host's import roots, ``isolation.import_roots``) and
+    ``_LANDLOCK_READABLE``; as bubblewrap binds, never another folder on the import path, such as
+    the checkout a ``.pth`` file of an editable install adds (``-I`` only keeps out the working
+    directory and PYTHONPATH)."""
     paths = {sys.prefix, sys.base_prefix, sys.exec_prefix,
-             os.path.dirname(os.path.realpath(sys.executable)), *_LANDLOCK_READABLE}
-    paths.update(p for p in sys.path if os.path.isabs(p))
+             os.path.dirname(os.path.realpath(sys.executable)), *_LANDLOCK_READABLE, *roots}
+    paths.update(p for p in sys.path if os.path.isabs(p) and "-packages" in p)
     return sorted(p for p in paths if os.path.exists(p))
 
 
@@ -1829,6 +1832,7 @@ def extend_import_path(entries: str) -> None:
 READABLE: list[str] = []
 
 if __name__ == "__main__":
-    extend_import_path(sys.argv[3] if len(sys.argv) > 3 else "")
-    READABLE = readable_paths()
+    roots = sys.argv[3] if len(sys.argv) > 3 else ""
+    extend_import_path(roots)
+    READABLE = readable_paths([p for p in roots.split(os.pathsep) if p])
     zygote_main(int(sys.argv[1]), sys.argv[2])

@@ -499,6 +499,24 @@ def test_rlimit_mode_confines_files_and_signals_with_landlock(tmp_path):
     assert out.strip() == str([13] * 5 + [13, 13, "ok", "7", signal_verdict])
 
 
+def test_landlock_keeps_import_folders_that_are_not_the_runtime_unreadable(tmp_path, monkeypatch):
+    """A ``.pth`` file (an editable install) can put the checkout, with its secrets, on the
+    zygote's import path: rlimit mode's Landlock rules let the code read only what bubblewrap
+    would bind, the site folders and the host's import roots."""
+    import site
+
+    from pipelines.agent.sandbox._zygote import readable_paths
+
+    checkout, root = tmp_path / "checkout", tmp_path / "lib"
+    checkout.mkdir()
+    root.mkdir()
+    monkeypatch.syspath_prepend(str(checkout))
+    assert str(checkout) not in readable_paths()
+    readable = readable_paths([str(root)])
+    assert str(checkout) not in readable and str(root) in readable
+    assert all(p in readable for p in site.getsitepackages() if os.path.isdir(p))
+
+
 @strict
 def test_sandboxes_cannot_see_each_other():
     with Sandbox() as a, Sandbox() as b:
