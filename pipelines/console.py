@@ -2,17 +2,26 @@
 
 from __future__ import annotations
 
+import unicodedata
+
 from rich.console import Console
 
 err = Console(stderr=True, highlight=False)
 
+# Bidirectional overrides and isolates: they reorder what follows them on the line.
+_BIDI = frozenset("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
 
-def terminal_text(text: str) -> str:
-    """What model-written code printed (or a model wrote), safe to show on a terminal: control
-    characters but newlines and tabs shown escaped, so that escape sequences cannot set its
-    title, write the clipboard (OSC 52) or redraw the screen. Show it as a rich ``Text``, never
-    as markup (``[/x]`` would raise, ``[link=...]`` would make a link)."""
-    return "".join(c if c.isprintable() or c in "\n\t" else repr(c)[1:-1] for c in text)
+
+def terminal_safe(text: object) -> str:
+    """``text`` as it may reach a terminal: control characters (ESC, BEL, a lone CR, the C1
+    range) and bidirectional overrides are shown escaped (``\\x1b``), newlines (``\\r\\n`` too)
+    and tabs kept. Model text, interpreter output and stored rows are hostile: raw, they could
+    clear the screen, set the window title, write the clipboard (OSC 52), plant hyperlinks or
+    reorder a line. Show the result as a rich ``Text``, never as markup (``[/x]`` would raise,
+    ``[link=...]`` would make a link)."""
+    text = str(text).replace("\r\n", "\n")
+    return "".join(repr(c)[1:-1] if (c not in "\n\t" and unicodedata.category(c) == "Cc")
+                   or c in _BIDI else c for c in text)
 
 
 class StatusProgress:

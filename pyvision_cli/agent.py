@@ -44,7 +44,7 @@ def run(
 
     from pipelines.agent.loop import run_episodes
     from pipelines.agent.policies import make_policy
-    from pipelines.console import terminal_text
+    from pipelines.console import terminal_safe
     from pipelines.core.records import Task
     from pipelines.errors import UserError
 
@@ -89,16 +89,16 @@ def run(
         print_json(traj.to_json() | {"trajectory_file": str(path)})
         return
     for i, turn in enumerate(traj.turns, start=1):
-        err.print(Panel(Text(terminal_text(turn.assistant or "(empty)")),
+        err.print(Panel(Text(terminal_safe(turn.assistant or "(empty)")),
                         title=f"assistant turn {i}", border_style="cyan"))
         if turn.code:
-            err.print(Syntax(terminal_text(turn.code), "python", theme="ansi_dark", line_numbers=True))
+            err.print(Syntax(terminal_safe(turn.code), "python", theme="ansi_dark", line_numbers=True))
         if turn.result is not None:
             body = turn.result.stdout or ""
             if turn.result.status != "ok":
                 body += f"\n[{turn.result.status}] {turn.result.stderr}"
             images = ", ".join(str(out / f"image_{k}.png") for k in turn.image_indices)
-            err.print(Panel(Text(terminal_text(body.strip()) + (f"\nimages: {images}" if images else "")),
+            err.print(Panel(Text(terminal_safe(body.strip()) + (f"\nimages: {images}" if images else "")),
                             title=f"interpreter ({turn.result.status}, {turn.result.duration_s:.2f} s)",
                             border_style="green" if turn.result.status == "ok" else "red"))
     err.print(f"[bold]answer:[/] {traj.final_answer!r}  stop: {traj.stop_reason}  turns: "

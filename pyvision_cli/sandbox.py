@@ -29,7 +29,7 @@ def run(
     from pipelines.agent.sandbox import Sandbox
     from pipelines.config.loader import validate
     from pipelines.config.sandbox import SandboxConfig
-    from pipelines.console import terminal_text
+    from pipelines.console import terminal_safe
     from pipelines.inputs import check_writable_dir, read_text
 
     code = read_text(code_file, "code file")
@@ -59,8 +59,8 @@ def run(
     err.print(f"[bold {colour}]{result.status}[/] in {result.duration_s:.3f} s"
               + (" (output truncated)" if result.truncated else ""))
     if result.stdout:  # (what the code printed: never raw to the terminal)
-        typer.echo(terminal_text(result.stdout), nl=not result.stdout.endswith("\n"))
+        typer.echo(terminal_safe(result.stdout), nl=not result.stdout.endswith("\n"))
     if result.stderr:
-        err.print(terminal_text(result.stderr), markup=False)
+        err.print(terminal_safe(result.stderr), markup=False)
     for p in paths:
         err.print(f"image: {p}")

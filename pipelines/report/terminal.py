@@ -29,7 +29,7 @@ from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
-from pipelines.console import terminal_text
+from pipelines.console import terminal_safe as safe
 from pipelines.core.media import EXTENSION
 from pipelines.errors import UserError
 from pipelines.report.trajectories import (
@@ -189,7 +189,7 @@ def print_headline(sentences: list[str], console: Console | None = None) -> None
 
     console = console or err
     for sentence in sentences:
-        console.print(Text(sentence, style="bold"), soft_wrap=not console.is_terminal)
+        console.print(Text(safe(sentence), style="bold"), soft_wrap=not console.is_terminal)
 
 
 def print_table(title: str, header: list[str], rows: list[list[str | Text]],
@@ -201,7 +201,7 @@ def print_table(title: str, header: list[str], rows: list[list[str | Text]],
     from pipelines.console import err
 
     console = console or err
-    cells = [[c if isinstance(c, Text) else Text(str(c)) for c in row] for row in rows]
+    cells = [[c if isinstance(c, Text) else Text(safe(c)) for c in row] for row in rows]
     table = Table(title=title)
     for h in header:
         table.add_column(h, overflow="fold")
@@ -252,21 +252,21 @@ def render_changes(console: Console, changes: list[dict[str, Any]], a: str, b: s
                                       f"{b} tool calls"], rows, console)
     if changes:
         console.print(f"[dim]one of them turn by turn: pyvision show RUN --sample "
-                      f"{escape(changes[0]['sample_id'])}[/]", highlight=False)
+                      f"{escape(safe(changes[0]['sample_id']))}[/]", highlight=False)
 
 
 def render_sample(console: Console, ts: TrajectorySet, entries: list[dict[str, Any]],
                   images: Images) -> None:
     """One sample: the question and its inputs once, then each model's trajectory."""
     s = ts.samples[entries[0]["s"]]
-    console.print(Rule(f"{escape(s['benchmark'])} · sample {escape(s['id'])}"))
-    console.print(Text(s["question"]))
+    console.print(Rule(f"{escape(safe(s['benchmark']))} · sample {escape(safe(s['id']))}"))
+    console.print(Text(safe(s["question"])))
     gold = s["gold"]
     if s["options"] and len(gold) == 1 and "A" <= gold <= "Z" and ord(gold) - 65 < len(s["options"]):
         gold += f" ({s['options'][ord(gold) - 65]})"
-    console.print(f"[bold]gold:[/] {escape(gold)}", highlight=False)
+    console.print(f"[bold]gold:[/] {escape(safe(gold))}", highlight=False)
     if s["video"]:
-        console.print(f"[dim]video {escape(s['video'])}: the model sees only the frames its code "
+        console.print(f"[dim]video {escape(safe(s['video']))}: the model sees only the frames its code "
                       "sampled (interpreter images below)[/]", highlight=False)
     for i, sha in enumerate(s["inputs"]):
         images.show(sha, f"input image {i + 1}")
@@ -276,40 +276,40 @@ def render_sample(console: Console, ts: TrajectorySet, entries: list[dict[str, A
 
 def render_entry(console: Console, ts: TrajectorySet, e: dict[str, Any], images: Images) -> None:
     s = ts.samples[e["s"]]
-    head = (f"{escape(ts.models[e['m']]['key'])} · {_verdict(e['verdict'])} · answer "
-            f"{escape(terminal_text(str(e['prediction'])))} (gold {escape(s['gold'])})")
+    head = (f"{escape(safe(ts.models[e['m']]['key']))} · {_verdict(e['verdict'])} · answer "
+            f"{escape(safe(e['prediction']))} (gold {escape(safe(s['gold']))})")
     score = "-" if e["score"] is None else f"{e['score']:.3f}"
     facts = (f"score {e['metric'] or '-'} = {score}"
              f" · scored by {e['scored_by']} ({e['scorer']}) · {_n(e['turns'], 'turn')} · "
              f"{_n(e['tools'], 'tool call')}" + (f" ({e['failed']} failed)" if e["failed"] else "")
              + f" · {_n(e['visual'], 'visual token')} · stop: {e['stop']} · {e['seconds']} s")
     console.print()
-    console.print(Panel(Text(facts), title=head, title_align="left", expand=True))
+    console.print(Panel(Text(safe(facts)), title=head, title_align="left", expand=True))
     if s["video"]:
         frames = [x for t in e["steps"] for x in t.get("imgs") or []]
         if not frames:
             console.print(f"  [yellow]the code sampled no frames ({e['visual']} visual tokens)[/]")
     for i, t in enumerate(e["steps"], start=1):
         console.print(Rule(f"model, turn {i}", align="left", style="dim"))
-        if t["text"]:  # (the model's text and its code's output: never raw to the terminal)
-            console.print(Text(terminal_text(t["text"])))
+        if t["text"]:
+            console.print(Text(safe(t["text"])))
         if "code" in t:
-            console.print(Syntax(terminal_text(t["code"]), "python", theme="ansi_dark", word_wrap=True,
+            console.print(Syntax(safe(t["code"]), "python", theme="ansi_dark", word_wrap=True,
                                  background_color="default"))
             body = [Text(f"{t['status']} ({t['tool_s']} s)"
                          + (", output truncated" if t["truncated"] else ""), style="bold")]
             if t["out"]:
-                body.append(Text(terminal_text(t["out"])))
+                body.append(Text(safe(t["out"])))
             if t["err"]:
-                body.append(Text(terminal_text(t["err"]), style="red"))
+                body.append(Text(safe(t["err"]), style="red"))
             console.print(Panel(Group(*body), title="interpreter", title_align="left",
                                 border_style="yellow" if t["status"] == "ok" else "red"))
             for k, sha in enumerate(t.get("imgs") or [], start=1):
                 images.show(sha, f"interpreter image {k}")
             if t.get("after"):
-                console.print(Text(terminal_text(t["after"])))
-    console.print(f"[bold]final answer:[/] {escape(terminal_text(str(e['prediction'])))} · gold "
-                  f"{escape(s['gold'])} · {_verdict(e['verdict'])}", highlight=False)
+                console.print(Text(safe(t["after"])))
+    console.print(f"[bold]final answer:[/] {escape(safe(e['prediction']))} · gold "
+                  f"{escape(safe(s['gold']))} · {_verdict(e['verdict'])}", highlight=False)
 
 
 def entry_json(ts: TrajectorySet, e: dict[str, Any], images: Images | None) -> dict[str, Any]:

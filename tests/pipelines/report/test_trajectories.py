@@ -355,6 +355,38 @@ def test_show_media_dir_under_or_at_a_file_is_one_line(evaluated, tmp_path, medi
     assert (tmp_path / "a-file").read_text() == "not a folder\n"
 
 
+HOSTILE = "\x1b[2J\x1b]0;title\x07\x1b]8;;http://x\x1b\\link\x1b]8;;\x1b\\ \x9b31m \u202eevil"
+
+
+def test_show_escapes_control_characters_from_model_text(tmp_path):
+    """Model text, interpreter output and stored rows reach `pyvision show` with their ESC, BEL
+    and bidi characters escaped: raw, they cleared the screen, set the title, planted links."""
+    from pipelines.report.terminal import render_changes, render_list
+
+    root = _image_tasks(tmp_path / "images", n=1)
+    code = f"{HOSTILE}\n<code>\n```python\nprint({HOSTILE!r})\n```\n</code>"
+    policy = ScriptedPolicy(lambda h: code if h.turn == 0 else _answer("B" + HOSTILE))
+    store = Store(tmp_path / "store.duckdb")
+    recipe = load_recipe(None, ["agent.max_turns_eval=2", f"runs_dir={tmp_path / 'runs'}"])
+    run_eval(recipe, model="scripted", model_tag="sft", benchmarks=["synth-image"], run_id=RUN,
+             store=store, data_dirs={"synth-image": root}, policy=policy, show_progress=False)
+    ts = collect_trajectories(store, [RUN], with_rollouts=False)
+    console = _console(width=400, terminal=True)
+    render_list(console, ts, select(ts), 10)
+    render_sample(console, ts, select(ts, sample="sq0"), Images(store, console, "none", tmp_path))
+    e = select(ts)[0]
+    render_changes(console, [{"benchmark": "synth-image", "sample_id": "sq0\x1b[5m",
+                              "change": "fixed", "a": e, "b": e, "sample": ts.samples[0]}],
+                   "a", "b", 10)
+    out = console.file.getvalue()
+    for raw in ("\x1b", "\x07", "\x9b", "\u202e"):
+        assert raw not in out
+    assert out.count("\\x1b[2J") >= 5 and "\\u202eevil" in out and "sq0\\x1b[5m" in out
+    from pipelines.console import terminal_safe
+
+    assert terminal_safe("line\r\nnext\rover\tx") == "line\nnext\\rover\tx"
+
+
 def test_inline_images_where_the_terminal_draws_them():
     from pipelines.report.terminal import inline_image, inline_protocol
 
