@@ -38,6 +38,7 @@ def run(
     """Missing or corrupt media are reported before any generation (exit 2)."""
     import tempfile
 
+    from rich.markup import escape
     from rich.panel import Panel
     from rich.syntax import Syntax
     from rich.text import Text
@@ -88,19 +89,24 @@ def run(
     if json_out:
         print_json(traj.to_json() | {"trajectory_file": str(path)})
         return
+    # Model text and interpreter output are shown as text (never read as Rich markup: "[/b]"
+    # crashed the command) with their control characters escaped.
     for i, turn in enumerate(traj.turns, start=1):
         err.print(Panel(Text(terminal_safe(turn.assistant or "(empty)")),
                         title=f"assistant turn {i}", border_style="cyan"))
         if turn.code:
-            err.print(Syntax(terminal_safe(turn.code), "python", theme="ansi_dark", line_numbers=True))
+            err.print(Syntax(terminal_safe(turn.code), "python", theme="ansi_dark",
+                             line_numbers=True))
         if turn.result is not None:
             body = turn.result.stdout or ""
             if turn.result.status != "ok":
                 body += f"\n[{turn.result.status}] {turn.result.stderr}"
             images = ", ".join(str(out / f"image_{k}.png") for k in turn.image_indices)
-            err.print(Panel(Text(terminal_safe(body.strip()) + (f"\nimages: {images}" if images else "")),
+            err.print(Panel(Text(terminal_safe(body.strip() + (f"\nimages: {images}" if images
+                                                                else ""))),
                             title=f"interpreter ({turn.result.status}, {turn.result.duration_s:.2f} s)",
                             border_style="green" if turn.result.status == "ok" else "red"))
-    err.print(f"[bold]answer:[/] {traj.final_answer!r}  stop: {traj.stop_reason}  turns: "
-              f"{traj.num_turns}  tool calls: {traj.tool_calls}  visual tokens: {traj.visual_tokens}")
-    err.print(f"saved to {path}")
+    err.print(f"[bold]answer:[/] {escape(terminal_safe(repr(traj.final_answer)))}  stop: "
+              f"{traj.stop_reason}  turns: {traj.num_turns}  tool calls: {traj.tool_calls}  "
+              f"visual tokens: {traj.visual_tokens}")
+    err.print(f"saved to {escape(str(path))}")

@@ -242,6 +242,27 @@ def test_agent_run_cli(tiny_model_dir, image_task, tmp_path):
     assert missing.exit_code == 2 and "nope.png" in missing.output
 
 
+def test_agent_run_shows_model_text_as_text(tiny_model_dir, image_task, tmp_path, monkeypatch):
+    """Model text and interpreter output that look like Rich markup ("[/b]" crashed the
+    command with a MarkupError, "[red]" restyled it) or carry ESC are shown as written."""
+    from pipelines.agent import policies
+    from pyvision_cli.agent import app
+
+    text = "Look at a[/b] and [red]this[/red] \x1b[2J"
+    code = "print('[/b]' + chr(27) + '[31m')"
+    turns = [f"{text}\n<code>\n```python\n{code}\n```\n</code>",
+             "<answer>\n[/i] 300\n</answer>"]
+    monkeypatch.setattr(policies, "make_policy", lambda *a, **k: ScriptedPolicy(turns))
+    _task, root = image_task
+    result = CliRunner().invoke(app, ["run", "--model", str(tiny_model_dir), "--image",
+                                      str(root / "a.png"), "--question", "How wide?",
+                                      "--out-dir", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    assert "Look at a[/b] and [red]this[/red] \\x1b[2J" in result.output
+    assert "[/b]\\x1b[31m" in result.output and "[/i] 300" in result.output
+    assert "\x1b" not in result.output
+
+
 @pytest.mark.parametrize("h,w", [(200, 300), (1, 5000), (4000, 3000), (28, 28), (37, 1111)])
 def test_smart_resize_matches_qwen_vl_utils(h, w):
     from qwen_vl_utils import smart_resize as reference
