@@ -112,6 +112,8 @@ def build_initial_messages(task: Task, media_root: Path, variant: str, agent_cfg
     media the sandbox must hold (``{"images": {name: path}, "videos": {name: path}}``)."""
     from PIL import Image, UnidentifiedImageError
 
+    from pipelines.core.media import to_rgb
+
     template, info = load_template(variant)
     runtime: dict[str, dict[str, Path]] = {"images": {}, "videos": {}}
     context_images: list[Any] = []
@@ -121,7 +123,7 @@ def build_initial_messages(task: Task, media_root: Path, variant: str, agent_cfg
             try:
                 with Image.open(path) as img:
                     img.load()
-                    full = img.convert("RGB")
+                    full = to_rgb(img)
             except (Image.DecompressionBombError, UnidentifiedImageError, OSError) as exc:
                 raise DataError(f"task {task.id}: image {path} cannot be read ({exc})",
                                 hint="fix the media path or drop the task") from None

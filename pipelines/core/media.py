@@ -51,11 +51,25 @@ _cache: OrderedDict[tuple[str, int, int, int], MediaBlob | None] = OrderedDict()
 _cache_lock = threading.Lock()
 
 
+def to_rgb(image: Any) -> Any:
+    """An RGB copy of a PIL image as Qwen-VL's own preprocessing (``qwen_vl_utils.to_rgb``) makes
+    it: transparent pixels on white. ``convert("RGB")`` keeps the colour under the transparency,
+    usually black, so a diagram drawn on a transparent background came out black."""
+    from PIL import Image
+
+    if image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in image.info:
+        rgba = image.convert("RGBA")
+        out = Image.new("RGB", rgba.size, (255, 255, 255))
+        out.paste(rgba, mask=rgba.getchannel("A"))
+        return out
+    return image.convert("RGB")
+
+
 def thumbnail(image: Any, max_side: int) -> MediaBlob:
     """A WebP thumbnail of a PIL image, at most ``max_side`` pixels on its longest side."""
     from PIL import Image
 
-    img = image if image.mode == "RGB" else image.convert("RGB")
+    img = image if image.mode == "RGB" else to_rgb(image)
     if max(img.size) > max_side:
         img = img.copy()
         img.thumbnail((max_side, max_side), Image.Resampling.LANCZOS)
@@ -83,7 +97,7 @@ def thumbnail_file(path: str | Path, max_side: int) -> MediaBlob | None:
     try:
         with Image.open(p) as img:
             img.draft("RGB", (max_side, max_side))  # JPEG: decode at a reduced scale (fast)
-            blob = thumbnail(img.convert("RGB"), max_side)
+            blob = thumbnail(to_rgb(img), max_side)
     except (OSError, UnidentifiedImageError, ValueError):
         blob = None
     with _cache_lock:

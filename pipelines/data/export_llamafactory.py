@@ -30,6 +30,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from pipelines.core.media import to_rgb
 from pipelines.core.records import Conversation
 from pipelines.errors import DataError
 from pipelines.fsutil import atomic_write_json, atomic_write_text
@@ -56,7 +57,7 @@ def context_image(path: Path, out: Path, agent_cfg: Any, counts: dict[str, int])
             target = out / CONTEXT_MEDIA / name
             if not target.is_file():
                 target.parent.mkdir(parents=True, exist_ok=True)
-                resized = resize_for_context(img.convert("RGB"), *bounds)
+                resized = resize_for_context(to_rgb(img), *bounds)
                 tmp = target.with_suffix(".tmp.png")
                 resized.save(tmp)
                 os.replace(tmp, target)

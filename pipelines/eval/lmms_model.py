@@ -18,6 +18,7 @@ from typing import Any
 
 from lmms_eval.api.model import lmms
 
+from pipelines.core.media import to_rgb
 from pipelines.core.records import Task
 
 
@@ -55,7 +56,7 @@ class PyVisionAgent(lmms):
                 images.append(v["path"])
             else:  # PIL image
                 path = self._media / f"req{i}_{k}.png"
-                v.convert("RGB").save(path)
+                to_rgb(v).save(path)
                 images.append(str(path))
         return Task(id=f"req-{i}", data_source="lmms-eval", question=context, images=images,
                     video=video, answer="?", answer_type="text")

@@ -1576,7 +1576,14 @@ def worker_main(sock: socket.socket, limits: dict, preloaded: dict, mode: str, w
         elif spec["kind"] == "image":
             img = Image.open(io.BytesIO(blob))
             img.load()
-            runtime.globals[spec["name"]] = img.convert("RGB") if img.mode not in ("RGB", "L") else img
+            if img.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in img.info:
+                # Transparent pixels on white, as in the context image (core.media.to_rgb).
+                rgba = img.convert("RGBA")
+                img = Image.new("RGB", rgba.size, (255, 255, 255))
+                img.paste(rgba, mask=rgba.getchannel("A"))
+            elif img.mode not in ("RGB", "L"):
+                img = img.convert("RGB")
+            runtime.globals[spec["name"]] = img
         else:
             path = os.path.join(workdir, f"{spec['name']}{spec.get('suffix', '.mp4')}")
             with open(path, "wb") as fh:

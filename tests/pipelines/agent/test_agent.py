@@ -263,6 +263,41 @@ def test_agent_run_shows_model_text_as_text(tiny_model_dir, image_task, tmp_path
     assert "\x1b" not in result.output
 
 
+@pytest.mark.parametrize("mode", ["RGBA", "LA", "P"])
+def test_transparent_images_are_on_white_everywhere_the_model_looks(tmp_path, mode):
+    """A diagram drawn in black on a transparent background (stored as black, as most PNG
+    writers store it) is put on white, as Qwen-VL's own preprocessing does, in the context
+    image, in the sandbox's image_clue_0 and in the thumbnail. ``convert("RGB")`` made all three
+    black."""
+    from pipelines.agent.sandbox import Sandbox
+    from pipelines.core.media import thumbnail_file
+
+    img = Image.new("RGBA", (64, 64), (0, 0, 0, 0))
+    img.paste((0, 0, 0, 255), (16, 16, 48, 48))  # a black square on transparent black
+    if mode == "P":
+        img = img.convert("P", palette=Image.Palette.ADAPTIVE, colors=4)
+        img.info["transparency"] = img.getpixel((0, 0))
+    else:
+        img = img.convert(mode)
+    img.save(tmp_path / "d.png")
+    task = Task(id="d", data_source="synth/image-search", question="What shape?",
+                images=["d.png"], answer="square", answer_type="text")
+    messages, _info, media = build_initial_messages(task, tmp_path, "image", AgentConfig())
+    (context,) = [p["image"] for p in messages[0]["content"] if p.get("type") == "image"]
+    assert context.mode == "RGB" and context.getpixel((0, 0)) == (255, 255, 255)
+    assert context.getpixel((context.width // 2, context.height // 2)) == (0, 0, 0)
+    with Sandbox(SandboxConfig(timeout_s=10), images=media["images"]) as sbx:
+        result = sbx.run("print(image_clue_0.mode, image_clue_0.getpixel((0, 0)), "
+                         "image_clue_0.getpixel((32, 32)))")
+    assert result.stdout.strip() == "RGB (255, 255, 255) (0, 0, 0)", result
+    blob = thumbnail_file(tmp_path / "d.png", 64)
+    import io
+
+    with Image.open(io.BytesIO(blob.data)) as thumb:
+        corner, centre = thumb.convert("RGB").getpixel((0, 0)), thumb.convert("RGB").getpixel((32, 32))
+    assert min(corner) > 240 and max(centre) < 15
+
+
 @pytest.mark.parametrize("h,w", [(200, 300), (1, 5000), (4000, 3000), (28, 28), (37, 1111)])
 def test_smart_resize_matches_qwen_vl_utils(h, w):
     from qwen_vl_utils import smart_resize as reference
