@@ -11,6 +11,7 @@ from pipelines.report.stats import (
     COMPARISONS,
     MODEL_ORDER,
     Paired,
+    benchmark_primary,
     compare_models,
     pooled_comparisons,
     primary_metric,
@@ -51,6 +52,8 @@ def paired_scores(store: Any, run_id: str, models: set[str], benchmark: str
                   ) -> list[tuple[str, str, str, list[tuple[float, float]]]]:
     """(challenger, baseline, metric, [(challenger score, baseline score)]) for each pair of
     ``COMPARISONS`` that one run evaluated on the same samples of ``benchmark``."""
+    from pipelines.report.trajectories import sample_score
+
     out = []
     compared = {m for pair in COMPARISONS for m in pair}
     scores = {m: store.eval_scores(run_id, m, benchmark) for m in models & compared}
@@ -62,9 +65,13 @@ def paired_scores(store: Any, run_id: str, models: set[str], benchmark: str
         names = {k for sid in common for k in a[sid] if k in b[sid]}
         if not names:
             continue
-        metric = primary_metric(names)
-        pairs = [(a[s][metric], b[s][metric]) for s in common
-                 if a[s].get(metric) is not None and b[s].get(metric) is not None]
+        # Each sample's headline value, as its verdict reads it: the benchmark's primary metric
+        # (V*: overall, not the first category by name), or the one metric VSI-Bench scores a
+        # sample under (its question type), so every common sample is compared.
+        metric = benchmark_primary(benchmark) or primary_metric(names)
+        values = [(sample_score(benchmark, a[s])[1], sample_score(benchmark, b[s])[1])
+                  for s in common]
+        pairs = [(x, y) for x, y in values if x is not None and y is not None]
         if pairs:
             out.append((challenger, baseline, metric, pairs))
     return out

@@ -149,7 +149,7 @@ def results_table(data: ReportData) -> tuple[list[str], list[list[str]]]:
     header = ["run", "model"]
     for b in benches:
         metrics = {m for (run, model, bb), ms in by_key.items() if bb == b for m in ms}
-        header.append(f"{b} ({primary_metric(metrics)})" if metrics else b)
+        header.append(f"{b} ({primary_metric(metrics, b)})" if metrics else b)
     rows = []
     marked = _fallbacks(data)
     for run, model in data.rows():
@@ -157,7 +157,7 @@ def results_table(data: ReportData) -> tuple[list[str], list[list[str]]]:
         for b in benches:
             ms = by_key.get((run, model, b))
             mark = FALLBACK_MARK if (run, model, b) in marked else ""
-            row.append(f"{100 * ms[primary_metric(ms)]:.1f}{mark}" if ms else "-")
+            row.append(f"{100 * ms[primary_metric(ms, b)]:.1f}{mark}" if ms else "-")
         rows.append(row)
     return header, rows
 

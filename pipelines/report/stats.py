@@ -21,8 +21,28 @@ COMPARISONS = (("sft", "base"), ("rl", "sft"))
 LEVEL = 0.95  # of the bootstrap interval around a paired difference
 
 
-def primary_metric(metrics: Iterable[str]) -> str:
+_PRIMARY: dict[str, str | None] = {}
+
+
+def benchmark_primary(benchmark: str) -> str | None:
+    """The registered benchmark's own headline metric (``vstar_overall_acc``), or None."""
+    if benchmark not in _PRIMARY:
+        try:
+            from benchmarks import benchmark_class
+
+            _PRIMARY[benchmark] = benchmark_class(benchmark).primary_metric
+        except Exception:  # noqa: BLE001 - an unknown or unimportable benchmark: fall back below
+            _PRIMARY[benchmark] = None
+    return _PRIMARY[benchmark]
+
+
+def primary_metric(metrics: Iterable[str], benchmark: str | None = None) -> str:
+    """The headline among ``metrics``: ``benchmark``'s own primary metric when it is there (V*'s
+    and VSI-Bench's are not the first of their names in any order), else by name."""
     names = list(metrics)
+    primary = benchmark_primary(benchmark) if benchmark else None
+    if primary in names:
+        return primary
     for m in PRIMARY_METRICS:
         if m in names:
             return m

@@ -27,7 +27,7 @@ from typing import Any
 
 from pipelines.core.media import EXTENSION, thumbnail_file
 from pipelines.fsutil import atomic_write_text
-from pipelines.report.stats import MODEL_ORDER, primary_metric
+from pipelines.report.stats import MODEL_ORDER, benchmark_primary, primary_metric
 
 TEXT_LIMIT = 4000
 """Characters of any one text (a turn's text, code, output) a page shows; the rest is cut with a
@@ -56,27 +56,13 @@ def sample_verdict(value: float | None) -> str:
     return "partial"
 
 
-_PRIMARY: dict[str, str | None] = {}
-
-
-def _benchmark_primary(benchmark: str) -> str | None:
-    if benchmark not in _PRIMARY:
-        try:
-            from benchmarks import benchmark_class
-
-            _PRIMARY[benchmark] = benchmark_class(benchmark).primary_metric
-        except Exception:  # noqa: BLE001 - an unknown or unimportable benchmark: fall back below
-            _PRIMARY[benchmark] = None
-    return _PRIMARY[benchmark]
-
-
 def sample_score(benchmark: str, scores: dict[str, float | None]) -> tuple[str | None, float | None]:
     """(metric, value) that decides one sample's verdict: the benchmark's primary metric, else
     its only metric (VSI-Bench scores each sample under its question type), else the report's
     choice of primary metric."""
     if not scores:
         return None, None
-    primary = _benchmark_primary(benchmark)
+    primary = benchmark_primary(benchmark)
     if primary in scores:
         return primary, scores[primary]
     if len(scores) == 1:

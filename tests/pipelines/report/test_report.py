@@ -215,3 +215,45 @@ def test_stratified_bootstrap_of_one_run_is_the_paired_bootstrap():
     assert stratified_bootstrap([deltas]) == paired_bootstrap(deltas)
     mean, low, high = stratified_bootstrap([[1.0] * 5, [0.0] * 15])
     assert mean == pytest.approx(0.25) and low == high == pytest.approx(0.25)  # no within-run spread
+
+
+def test_vstar_and_vsibench_are_reported_and_compared_on_their_own_headline():
+    """V*'s headline is vstar_overall_acc and VSI-Bench's vsibench_overall, not the first of
+    their metric names by alphabet (a category, a question type): the results table showed V*'s
+    direct-attributes accuracy, and the paired comparisons used only the samples of that one
+    category (VSI-Bench: of one question type)."""
+    store = Store()
+    store.upsert_run("r", "tiny-cpu", config={})
+    # V*: 4 direct-attributes samples (no change), 6 relative-position ones (RL fixes all 6).
+    # VSI-Bench: each sample scored under its question type only.
+    vsi_types = ["obj_appearance_order_accuracy"] * 2 + ["object_counting_mra"] * 8
+    for model in ("sft", "rl"):
+        for i in range(10):
+            cat = "direct_attributes" if i < 4 else "relative_position"
+            right = float(i < 4 or model == "rl")
+            for bench, scores in (
+                    ("vstar", {"vstar_overall_acc": right, f"vstar_{cat}_acc": right}),
+                    ("vsibench", {vsi_types[i]: right})):
+                store.add_eval_record(EvalRecord(
+                    run_id="r", model=model, benchmark=bench, sample_id=str(i),
+                    benchmark_version="1", prompt_version="image@v1", prompt_hash="h",
+                    scorer="s", prediction="x", stop_reason="answered", turns=1, tool_calls=0,
+                    failed_calls=0, visual_tokens=0, total_tokens=1, duration_s=0.1,
+                    trajectory=None, scores=scores))
+        overall = 1.0 if model == "rl" else 0.4
+        store.set_eval_aggregate("r", model, "vstar", {
+            "vstar_overall_acc": overall, "vstar_direct_attributes_acc": 1.0,
+            "vstar_relative_position_acc": 1.0 if model == "rl" else 0.0},
+            n=10, benchmark_version="1", prompt_version="image@v1", scorer="s")
+        store.set_eval_aggregate("r", model, "vsibench", {
+            "vsibench_overall": overall, "obj_appearance_order_accuracy": 1.0,
+            "object_counting_mra": 1.0 if model == "rl" else 0.25},
+            n=10, benchmark_version="1", prompt_version="image@v1", scorer="s")
+    data = collect(store)
+    header, rows = results_table(data)
+    assert header == ["run", "model", "vsibench (vsibench_overall)", "vstar (vstar_overall_acc)"]
+    assert [r[2:] for r in rows] == [["40.0", "40.0"], ["100.0", "100.0"]]
+    got = {c["benchmark"]: c for c in data.comparisons if c["run"] == "r"}
+    for bench, metric in (("vstar", "vstar_overall_acc"), ("vsibench", "vsibench_overall")):
+        assert got[bench]["metric"] == metric
+        assert got[bench]["n"] == 10 and got[bench]["delta"] == pytest.approx(0.6)
