@@ -185,6 +185,8 @@ def run_pipeline(recipe: Recipe, *, store: Any, run_id: str | None = None,
                         hint=f"stages run in the order {' -> '.join(STAGES)}")
     summary: dict[str, Any] = {}
     selected = STAGES[lo: hi + 1]
+    if "eval" in selected:
+        _check_eval_benchmarks(recipe)
     for i, stage in enumerate(selected, start=1):
         sd = stage_dir(recipe, stage, run_id, runs_dir=None, store=store, recipe_path=recipe_path)
         done = sd.finished(redo=force)
@@ -205,6 +207,21 @@ def run_pipeline(recipe: Recipe, *, store: Any, run_id: str | None = None,
                           **{k: v for k, v in (result or {}).items()
                              if isinstance(v, (int, float, str)) and not isinstance(v, bool)}}
     return summary
+
+
+def _check_eval_benchmarks(recipe: Recipe) -> None:
+    """The eval stage's benchmarks, checked before the first stage: an empty or misspelt
+    ``eval.benchmarks`` otherwise surfaced only once data, SFT and RL had run."""
+    from benchmarks import check_benchmark_name
+
+    if not recipe.eval.benchmarks:
+        raise UserError("eval.benchmarks is empty: the eval stage has no benchmark to evaluate",
+                        hint="set some, e.g. --set eval.benchmarks=[synth-image,synth-video]")
+    for name in recipe.eval.benchmarks:
+        try:
+            check_benchmark_name(name)
+        except UserError as exc:
+            raise UserError(f"eval.benchmarks: {exc.message}", hint=exc.hint) from None
 
 
 def _config_drift(sd: StageDir) -> str:

@@ -90,6 +90,20 @@ def test_missing_inputs_name_the_stage_to_run(tmp_path):
     assert not (Path(tmp_path) / "empty" / "sft" / "manifest.json").exists()
 
 
+@pytest.mark.parametrize(("benchmarks", "message"), [
+    ("[synth-image,synth-vide]", r"eval\.benchmarks: unknown benchmark 'synth-vide'.*'synth-video'"),
+    ("[]", r"eval\.benchmarks is empty"),
+])
+def test_eval_benchmarks_are_checked_before_the_first_stage(tmp_path, benchmarks, message):
+    """A misspelt or empty eval.benchmarks was found by the eval stage, after data, SFT and RL
+    had run (here the SFT stage would stop first, on its missing data stage)."""
+    recipe = load_recipe(None, [f"runs_dir={tmp_path}", f"eval.benchmarks={benchmarks}"])
+    store = Store()
+    with pytest.raises(UserError, match=message):
+        run_pipeline(recipe, store=store, run_id="typo", from_stage="sft")
+    assert not (tmp_path / "typo").exists() and store.runs() == []
+
+
 def test_a_finished_stage_is_skipped_and_its_config_drift_named(tmp_path, capsys):
     sd = stage_dir(load_recipe(None, [f"runs_dir={tmp_path}"]), "merge", "r", runs_dir=None)
     sd.begin()
