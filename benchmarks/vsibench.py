@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 import re
 import zipfile
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -165,21 +166,30 @@ class VSIBench(Benchmark):
 
     def _extract(self, archive: Path, dataset: str, scene: str, target: Path) -> bool:
         """Copy one scene's video out of an official zip (members are found by file name)."""
-        if archive not in self._zip_index:
-            with zipfile.ZipFile(archive) as zf:
-                index: dict[str, str] = {}
-                for member in zf.namelist():
-                    if member.lower().endswith(".mp4") and "__MACOSX" not in member:
-                        index.setdefault(Path(member).name, member)
-                self._zip_index[archive] = index
-        member = self._zip_index[archive].get(f"{scene}.mp4")
-        if member is None:
-            return False
-        target.parent.mkdir(parents=True, exist_ok=True)
         partial = target.with_name(f".{target.name}.part")
-        with zipfile.ZipFile(archive) as zf, zf.open(member) as src, open(partial, "wb") as dst:
-            while chunk := src.read(1 << 20):
-                dst.write(chunk)
+        try:
+            if archive not in self._zip_index:
+                with zipfile.ZipFile(archive) as zf:
+                    index: dict[str, str] = {}
+                    for member in zf.namelist():
+                        if member.lower().endswith(".mp4") and "__MACOSX" not in member:
+                            index.setdefault(Path(member).name, member)
+                    self._zip_index[archive] = index
+            member = self._zip_index[archive].get(f"{scene}.mp4")
+            if member is None:
+                return False
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with zipfile.ZipFile(archive) as zf, zf.open(member) as src, \
+                    open(partial, "wb") as dst:
+                while chunk := src.read(1 << 20):
+                    dst.write(chunk)
+        except (zipfile.BadZipFile, zipfile.LargeZipFile, zlib.error, EOFError,
+                NotImplementedError) as exc:
+            partial.unlink(missing_ok=True)
+            raise DataError(f"{archive} is not a readable zip archive ({exc}), so the video of "
+                            f"{dataset}/{scene} cannot be taken from it",
+                            hint="download it again (it may be truncated), or put the videos "
+                                 "in --data-dir as <dataset>/<scene_name>.mp4") from None
         os.replace(partial, target)
         return True
 

@@ -273,6 +273,26 @@ def test_mathverse_relative_images_text_only_rows_and_answer_types(loaded) -> No
     assert Path(by_id["4"].images[0]).name == "4.png"
 
 
+@pytest.mark.parametrize("damage", ["truncated", "member"])
+def test_a_corrupt_vsibench_zip_is_a_data_error_naming_it(tmp_path: Path, damage: str) -> None:
+    """A truncated official zip, or one whose video is corrupt inside, was a BadZipFile
+    traceback; it is one line naming the archive, with no partial video left in the cache."""
+    data = make_vsibench_dir(tmp_path / "copy")
+    archive = data / "scannet.zip"
+    whole = archive.read_bytes()
+    if damage == "truncated":
+        archive.write_bytes(whole[: len(whole) // 2])
+    else:  # the member's bytes changed, the central directory intact: a CRC mismatch
+        with zipfile.ZipFile(archive) as zf:
+            offset = zf.getinfo("scannet/scene0011_00.mp4").header_offset + 200
+        archive.write_bytes(whole[:offset] + bytes(64) + whole[offset + 64:])
+    cache = tmp_path / "cache"
+    with pytest.raises(DataError, match=r"scannet\.zip is not a readable zip archive") as caught:
+        get_benchmark("vsibench").load(data_dir=data, cache_dir=cache)
+    assert "download it again" in caught.value.hint
+    assert not [p for p in cache.rglob("*") if p.is_file()]
+
+
 def test_vsibench_finds_videos_and_extracts_from_zip(loaded) -> None:
     tasks, cache = loaded["vsibench"]
     assert len(tasks) == 11
