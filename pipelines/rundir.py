@@ -253,14 +253,43 @@ class StageDir:
         store and the exception goes on: the manifest is the block's last write, so a failed
         attempt leaves none, and the next run starts the stage again or continues it from its
         checkpoints."""
-        if refuse_unfinished:
-            self.check_rerun(resume=resume, force=force)
-        self.begin(force=force, resume=resume, config_hint=config_hint)
+        with self._attempt_lock():
+            if refuse_unfinished:
+                self.check_rerun(resume=resume, force=force)
+            self.begin(force=force, resume=resume, config_hint=config_hint)
+            try:
+                yield
+            except BaseException as exc:
+                self.fail(str(exc))
+                raise
+
+    @contextlib.contextmanager
+    def _attempt_lock(self) -> Iterator[None]:
+        """Hold this stage's lock (``<run>/.<stage>.lock``) for one attempt: a second command on
+        the same stage of the same run (another terminal, a second `pyvision run`) is refused at
+        once, instead of writing into the same folder and marking the first one's stage failed.
+        The kernel lets go of the lock when its process ends, however it ends."""
+        import fcntl
+        import os
+
+        self.run_path.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.run_path / f".{self.stage}.lock", os.O_RDWR | os.O_CREAT, 0o666)
         try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                from pipelines.store import describe_process
+
+                pid = os.read(fd, 32).decode(errors="replace").strip()
+                holder = describe_process(int(pid)) if pid.isdigit() else "another process"
+                raise UserError(f"{self.stage} of run '{self.run_id}' is being run by {holder}",
+                                hint="wait for it to finish, or pass --run-id NEW for a "
+                                     "separate run") from None
+            os.ftruncate(fd, 0)
+            os.write(fd, str(os.getpid()).encode())
             yield
-        except BaseException as exc:
-            self.fail(str(exc))
-            raise
+        finally:
+            os.close(fd)
 
 
 def stage_dir(config: BaseModel, stage: str, run_id: str | None, *, runs_dir: str | Path | None,

@@ -133,7 +133,11 @@ def lock_holder(message: str) -> str:
     found = re.search(r"\(PID (\d+)\)", message)
     if not found:
         return "another process"
-    pid = int(found.group(1))
+    return describe_process(int(found.group(1)))
+
+
+def describe_process(pid: int) -> str:
+    """``process 123 (its command line)``, or ``process 123`` when the command line is unknown."""
     try:
         raw = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import pytest
@@ -230,3 +231,25 @@ def test_refuse_unfinished_asks_how_before_writing_anything(tmp_path):
     assert store.stages("exp")[0]["status"] == "running"  # refused, not failed
     with sd.running(resume=True, refuse_unfinished=True):
         pass
+
+
+def test_a_second_attempt_at_a_running_stage_is_refused_at_once(tmp_path):
+    # Two commands on one stage of one run (a second terminal, a second `pyvision run`): the
+    # second used to write into the first one's folder, or crash on its half-made outputs with
+    # a traceback and mark the first one's stage failed.
+    store = Store(tmp_path / "s.duckdb")
+    first = stage_dir(load_recipe(), "sft", "exp", runs_dir=tmp_path / "runs", store=store)
+    second = stage_dir(load_recipe(), "sft", "exp", runs_dir=tmp_path / "runs", store=store)
+    with first.running():
+        config = (first.path / "config.yaml").read_text()
+        with pytest.raises(UserError) as refused, second.running():
+            pytest.fail("the block must not run")
+        assert refused.value.message.startswith(
+            f"sft of run 'exp' is being run by process {os.getpid()} (")
+        assert "--run-id NEW" in refused.value.one_line()
+        assert (first.path / "config.yaml").read_text() == config
+        assert store.stages("exp")[0]["status"] == "running"  # the first one's, not failed
+        first.finish(SFT_OUTPUTS, {})
+    assert store.stages("exp")[0]["status"] == "done"
+    with second.running(force=True):  # once the first is done, the next attempt goes ahead
+        second.finish(SFT_OUTPUTS, {})
