@@ -136,7 +136,11 @@ def run_sft(recipe: Recipe, sd: StageDir, *, model: str, dataset_dir: str, datas
         # The steps after the checkpoint are logged again (every step when starting afresh).
         sd.store.delete_metrics_after(sd.run_id, "sft",
                                       int(ckpt.name.split("-")[-1]) if ckpt is not None else -1)
-    yaml_path = lf.write_train_files(recipe.sft, sd.path, model_path=model,
+    # A full fine-tune resumes from the checkpoint's weights through from_pretrained: the
+    # Trainer's own reload of them matches no tensor name under transformers 5 (a checkpoint
+    # keeps the saved names) and, being lenient, went on from the base model's weights.
+    weights = str(ckpt) if ckpt is not None and recipe.sft.finetuning_type == "full" else model
+    yaml_path = lf.write_train_files(recipe.sft, sd.path, model_path=weights,
                                      dataset_dir=dataset_dir, dataset=dataset, resume=resume)
     trainer_log = output_dir / lf.TRAINER_LOG
     losses: list[float] = []

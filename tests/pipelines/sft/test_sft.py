@@ -189,6 +189,30 @@ def test_resume_continues_from_last_checkpoint(tiny_model_dir, tmp_path):
     assert steps == [1, 2, 3, 4], "resumed steps are logged once"
 
 
+@pytest.mark.slow
+def test_resume_continues_from_the_checkpoint_weights(tiny_model_dir, tmp_path):
+    # Resumed from its last checkpoint (as after a Ctrl-C between that checkpoint and the
+    # manifest): the model it finishes with is the trained one. The Trainer's own reload of the
+    # checkpoint matched no tensor name, so the resumed run went on from the base weights.
+    from safetensors.torch import load_file
+
+    data_dir, name = make_sharegpt(tmp_path / "data")
+    recipe = _tiny_sft_recipe("sft.max_steps=2", "sft.save_steps=2")
+    sd = stage_dir(recipe, "sft", "r", runs_dir=tmp_path / "runs")
+    sd.begin()
+    run_sft(recipe, sd, model=str(tiny_model_dir), dataset_dir=data_dir, dataset=name,
+            show_progress=False)
+    trained = load_file(sd.path / "output" / "checkpoint-2" / "model.safetensors")
+    base = load_file(tiny_model_dir / "model.safetensors")
+    assert any(not trained[k].equal(base[k]) for k in trained)
+    run_sft(recipe, sd, model=str(tiny_model_dir), dataset_dir=data_dir, dataset=name,
+            resume=True, show_progress=False)
+    resumed = load_file(sd.path / "output" / "model.safetensors")
+    assert resumed.keys() == trained.keys()
+    assert all(resumed[k].equal(trained[k]) for k in trained), "resumed from the base weights"
+    assert sd.manifest().outputs.base_model == str(tiny_model_dir)
+
+
 def test_an_interrupted_engine_leaves_its_shutdown_lines_in_the_log(tmp_path):
     # Ctrl-C (or SIGTERM) while an engine runs: it is terminated, and what it prints on its way
     # out reaches the log before the log is closed (the reader used to be left writing to a
