@@ -17,6 +17,7 @@ higher version than this code knows) is refused rather than silently misread.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import math
@@ -119,6 +120,13 @@ def _is_damage(exc: Exception) -> bool:
     """DuckDB's errors for a damaged file: an I/O error (a truncated copy), a checksum that does
     not match ("Corrupt database file")."""
     return isinstance(exc, duckdb.IOException) or "corrupt" in str(exc).lower()
+
+
+def _is_write_failure(exc: Exception) -> bool:
+    """DuckDB's errors for a write the disk refused: full, over quota, or remounted read-only
+    (the transaction is rolled back; the file keeps what it held)."""
+    text = str(exc)
+    return any(os.strerror(code) in text for code in (errno.ENOSPC, errno.EDQUOT, errno.EROFS))
 
 
 _DAMAGED_HINT = ("the file is damaged (an interrupted copy?): restore it from a copy, or pass "
@@ -283,10 +291,17 @@ class Store:
             con.execute("BEGIN TRANSACTION")
             try:
                 yield con
-            except BaseException:
-                con.execute("ROLLBACK")
+                con.execute("COMMIT")
+            except BaseException as exc:
+                with contextlib.suppress(duckdb.Error):  # a failed COMMIT has rolled back
+                    con.execute("ROLLBACK")
+                if isinstance(exc, duckdb.Error) and _is_write_failure(exc):
+                    raise UserError(f"cannot write the store {self.path} "
+                                    f"({str(exc).splitlines()[0][:200]})",
+                                    hint="free space on its disk, or pass --store FILE (or set "
+                                         "PYVISION_STORE) to a file on another disk; what was "
+                                         "stored before is kept") from None
                 raise
-            con.execute("COMMIT")
 
     def _query(self, sql: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
         if not self._ready and not self.path.exists():

@@ -488,3 +488,41 @@ def test_eval_records_in_multi_row_statements(tmp_path, monkeypatch):
     assert rows["3"]["prediction"] == "A"
     assert store.eval_scores("r", "rl", "vstar")["3"] == {"overall": 1.0}
     assert store._query("SELECT count(*) AS n FROM media")[0]["n"] == 1
+
+
+@pytest.mark.parametrize("reason", ["No space left on device", "Disk quota exceeded",
+                                    "Read-only file system"])
+def test_a_write_the_disk_refuses_is_one_line_and_keeps_what_was_stored(tmp_path, monkeypatch,
+                                                                        reason):
+    # A full disk used to end `pyvision eval` (or any stage) in DuckDB's traceback, exit 1.
+    import contextlib
+
+    store = Store(tmp_path / "s.duckdb")
+    store.log_metrics("r", "rl", 0, {"loss": 1.0})
+    connect = store._connect
+
+    class DiskRefuses:
+        def __init__(self, con: duckdb.DuckDBPyConnection) -> None:
+            self.con = con
+
+        def execute(self, sql: str, *args):
+            if sql == "COMMIT":
+                raise duckdb.TransactionException(
+                    f'TransactionContext Error: Failed to commit: Could not write file '
+                    f'"{store.path}.wal": {reason}')
+            return self.con.execute(sql, *args)
+
+    @contextlib.contextmanager
+    def refusing():
+        with connect() as con:
+            yield DiskRefuses(con)
+
+    monkeypatch.setattr(store, "_connect", refusing)
+    with pytest.raises(UserError) as refused:
+        store.log_metrics("r", "rl", 1, {"loss": 0.5})
+    assert refused.value.message.startswith(f"cannot write the store {store.path} (")
+    assert reason in refused.value.message and "free space on its disk" in refused.value.hint
+    monkeypatch.undo()
+    assert [m["step"] for m in store.metrics("r", "rl")] == [0]
+    store.log_metrics("r", "rl", 1, {"loss": 0.5})  # room again: the store takes writes
+    assert [m["step"] for m in store.metrics("r", "rl")] == [0, 1]
