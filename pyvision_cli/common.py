@@ -8,6 +8,7 @@ library, so every command's ``--help`` is instant.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sys
@@ -47,6 +48,10 @@ def _usage_error(exc: UsageError) -> typer.Exit:
     return typer.Exit(exc.exit_code)
 
 
+_DISK_REFUSED = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+"""The errors of a write the disk refused: full, over quota, read-only."""
+
+
 def _reraise_user_errors(call, *args, **kwargs):
     """Run a command; a UserError becomes one unwrapped red line on stderr and exit code 2.
 
@@ -59,6 +64,19 @@ def _reraise_user_errors(call, *args, **kwargs):
             traceback.print_exc(file=sys.stderr)
         print_error(exc.one_line())
         raise typer.Exit(exc.exit_code) from None
+    except OSError as exc:
+        if exc.errno not in _DISK_REFUSED:
+            raise
+        # A disk that fills up (or is remounted read-only) mid-command: the atomic writes have
+        # removed their temp files; say so in one line rather than a traceback from deep inside.
+        if debug_enabled():
+            traceback.print_exc(file=sys.stderr)
+        where = f" {exc.filename}" if exc.filename else ""
+        error = UserError(f"cannot write{where} ({exc.strerror})",
+                          hint="free space on that disk, or write elsewhere (--out, --store, "
+                               "--set runs_dir=DIR)")
+        print_error(error.one_line())
+        raise typer.Exit(error.exit_code) from None
     except NoArgsIsHelpError:
         raise
     except UsageError as exc:  # e.g. an unknown subcommand

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import importlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -57,6 +59,35 @@ def test_user_error_is_one_line_exit_2_no_traceback():
     assert result.exit_code == 2
     assert "Traceback" not in result.output
     assert "unknown config key 'x' in r.yaml. Fix: remove it." in result.output
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT, errno.EROFS])
+def test_a_disk_that_refuses_a_write_is_one_line_exit_2(code):
+    # A full disk mid-command (`pyvision report`, a stage writing its folder) used to end in a
+    # traceback from deep inside PIL or matplotlib, exit 1.
+    demo = make_app("demo")
+
+    @command(demo)
+    def write() -> None:
+        raise OSError(code, os.strerror(code), "/runs/report/report.html")
+
+    result = runner.invoke(demo, [])
+    assert result.exit_code == 2
+    (line,) = result.output.strip().splitlines()
+    assert line == (f"error: cannot write /runs/report/report.html ({os.strerror(code)}). Fix: "
+                    "free space on that disk, or write elsewhere (--out, --store, --set "
+                    "runs_dir=DIR).")
+
+
+def test_other_os_errors_are_not_passed_off_as_a_full_disk():
+    demo = make_app("demo")
+
+    @command(demo)
+    def fail() -> None:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    result = runner.invoke(demo, [])
+    assert result.exit_code == 1 and isinstance(result.exception, OSError)
 
 
 def test_user_error_inside_a_group_command_exits_2():
