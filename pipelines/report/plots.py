@@ -18,6 +18,17 @@ def _curve_names(data: ReportData) -> list[str]:
     return ordered + sorted(names - set(ordered))
 
 
+def _save(fig, path: Path) -> Path:
+    """``fig`` as a PNG at ``path``, whole or not at all (a full disk left an empty file)."""
+    import io
+
+    from pipelines.fsutil import atomic_write_bytes
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90)
+    return atomic_write_bytes(path, buf.getvalue())
+
+
 def make_plots(data: ReportData, out_dir: Path, max_curves: int = 16) -> dict[str, Path]:
     """Training curves, visual tokens and stop reasons as PNG files; returns name -> path."""
     import matplotlib
@@ -45,8 +56,7 @@ def make_plots(data: ReportData, out_dir: Path, max_curves: int = 16) -> dict[st
             ax.axis("off")
         axes.flat[0].legend(fontsize=7)
         fig.tight_layout()
-        made["training_curves"] = out_dir / "training_curves.png"
-        fig.savefig(made["training_curves"], dpi=90)
+        made["training_curves"] = _save(fig, out_dir / "training_curves.png")
         plt.close(fig)
     if data.eval_stats:
         labels = [f"{s['run']}\n{s['model']}\n{s['benchmark']}" for s in data.eval_stats]
@@ -64,7 +74,6 @@ def make_plots(data: ReportData, out_dir: Path, max_curves: int = 16) -> dict[st
         for ax in (ax1, ax2):
             ax.set_xticks(range(len(labels)), labels, fontsize=6)
         fig.tight_layout()
-        made["eval_stats"] = out_dir / "eval_stats.png"
-        fig.savefig(made["eval_stats"], dpi=90)
+        made["eval_stats"] = _save(fig, out_dir / "eval_stats.png")
         plt.close(fig)
     return made

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from pipelines.core.media import EXTENSION, thumbnail_file
-from pipelines.fsutil import atomic_write_text
+from pipelines.fsutil import atomic_write_bytes, atomic_write_text
 from pipelines.report.stats import MODEL_ORDER, benchmark_primary, primary_metric
 
 TEXT_LIMIT = 4000
@@ -355,9 +355,7 @@ def write_media(store: Any, ts: TrajectorySet, out_dir: Path) -> int:
         path = folder / f"{sha}{EXTENSION}"
         if blob is None or path.is_file():
             continue
-        tmp = path.with_suffix(".tmp")
-        tmp.write_bytes(blob.data)
-        tmp.replace(path)
+        atomic_write_bytes(path, blob.data)
         written += 1
     for old in folder.glob(f"*{EXTENSION}"):
         if old.name[: -len(EXTENSION)] not in ts.media:

@@ -88,6 +88,35 @@ def test_markdown_and_html_files(tmp_path):
     assert html.count("data:image/png;base64,") == 2 and "<table class=\"results\">" in html
 
 
+def test_a_report_that_fails_midway_leaves_the_one_before_whole(tmp_path, monkeypatch):
+    # A disk that fills up while a plot is written: the plot was written in place and left
+    # truncated under the earlier report.html's name.
+    import errno
+    import os
+
+    from matplotlib.figure import Figure
+
+    store = Store()
+    fill_store(store)
+    out = tmp_path / "rep"
+    write_report(store, None, ["markdown", "html"], out)
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+
+    def full_disk(self, fname, **kwargs):
+        if hasattr(fname, "write"):
+            fname.write(b"\x89PNG, cut short")
+        else:
+            Path(fname).write_bytes(b"\x89PNG, cut short")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(Figure, "savefig", full_disk)
+    with pytest.raises(OSError) as failed:
+        write_report(store, None, ["markdown", "html"], out)
+    assert failed.value.errno == errno.ENOSPC
+    after = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert after == before
+
+
 def _chromium() -> str | None:
     return shutil.which("chromium") or shutil.which("chromium-browser")
 
