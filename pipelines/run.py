@@ -124,6 +124,8 @@ def _inputs_eval(recipe: Recipe, sd: StageDir) -> dict[str, str]:
                         "or merge stages has finished",
                         hint=f"{earlier_stages_hint(sd.run_id)}, or evaluate a model folder "
                              "with `pyvision eval --model PATH`")
+    for tag, path in models.items():  # all of them, before the first is evaluated
+        sd.check_model(path, f"the {tag} model")
     return models
 
 

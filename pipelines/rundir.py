@@ -137,6 +137,24 @@ class StageDir:
         path = self.run_path / kind.stage / MANIFEST
         return read_manifest(path, kind).outputs if path.is_file() else None
 
+    def check_model(self, model: str, what: str) -> None:
+        """:func:`pipelines.inputs.check_model`; for a model inside this run's folder (an earlier
+        stage made it and its manifest names it) that is gone or broken, deleted or edited by
+        hand since, the fix is to redo the stage that made it, not to pass another folder."""
+        from pipelines.inputs import check_model
+
+        try:
+            check_model(model, what)
+        except UserError as exc:
+            made = Path(model).expanduser().resolve()
+            if not made.is_relative_to(self.run_path) or made == self.run_path or \
+                    made.relative_to(self.run_path).parts[0] not in STAGES:
+                raise
+            stage = made.relative_to(self.run_path).parts[0]
+            raise UserError(exc.message, hint=f"redo the {stage} stage that made it: pass --from "
+                                              f"{stage} --force to the run's `pyvision run`"
+                            ) from None
+
     def _config_dict(self) -> dict[str, Any]:
         return self.config.model_dump(mode="json")
 

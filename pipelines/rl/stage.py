@@ -38,9 +38,8 @@ def resolve_rl_inputs(recipe: Recipe, sd: StageDir, *, model: str | None = None,
     # Checked here, before the stage writes anything: a model folder that cannot load and a
     # prompt folder without usable rows end in one line, not in a failed stage left behind.
     from pipelines.core.records import read_tasks
-    from pipelines.inputs import check_model
 
-    check_model(model, "the model to start RL from")
+    sd.check_model(model, "the model to start RL from")
     read = [(tasks, Path(report.path).parent, report.path)
             for tasks, report in (read_tasks(t, strict=True) for t in task_dirs)]
     if not any(tasks for tasks, _, _ in read):

@@ -46,9 +46,9 @@ def resolve_sft_inputs(recipe: Recipe, sd: StageDir, *, model: str | None = None
                         hint=earlier_stages_hint(sd.run_id) if in_run else
                         "run the data stage first, or pass --dataset-dir DIR --dataset NAME "
                         "(a LLaMA-Factory folder with dataset_info.json)")
-    from pipelines.inputs import check_model, read_json
+    from pipelines.inputs import read_json
 
-    check_model(model, "the base model")
+    sd.check_model(model, "the base model")
     info = Path(dataset_dir) / "dataset_info.json"
     if not info.is_file():
         raise UserError(f"{info} {'is a folder' if info.is_dir() else 'not found'}",

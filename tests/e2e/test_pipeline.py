@@ -104,6 +104,31 @@ def test_eval_benchmarks_are_checked_before_the_first_stage(tmp_path, benchmarks
     assert not (tmp_path / "typo").exists() and store.runs() == []
 
 
+@pytest.mark.parametrize("stage, made_by, outputs", [
+    ("sft", "data", {"rl_tasks": [], "heldout": {}, "sft_dataset_dir": "d",
+                     "sft_dataset_name": "n", "base_model": "{run}/data/base-model"}),
+    ("rl", "data", {"rl_tasks": ["{run}/data/rl"], "heldout": {},
+                    "base_model": "{run}/data/base-model"}),
+    ("eval", "sft", {"base_model": "m", "train_yaml": "t", "log": "l", "model": "{run}/sft/output"}),
+])
+def test_a_model_deleted_after_its_stage_finished_names_that_stage(tmp_path, stage, made_by,
+                                                                    outputs):
+    # The hint used to be "pass a model folder", which `pyvision run` has no option for; the
+    # eval stage found it only after evaluating the models before it.
+    recipe = load_recipe(None, [f"runs_dir={tmp_path}"])
+    done = stage_dir(recipe, made_by, "r", runs_dir=None)
+    with done.running():
+        done.finish(json.loads(json.dumps(outputs).replace("{run}", str(done.run_path))), {})
+    with pytest.raises(UserError) as missing:
+        run_pipeline(recipe, store=Store(), run_id="r", from_stage=stage, until_stage=stage,
+                     show_progress=False)
+    assert missing.value.message.endswith(f" not found: {done.run_path}/{made_by}/"
+                                          f"{'base-model' if made_by == 'data' else 'output'}")
+    assert missing.value.hint == (f"redo the {made_by} stage that made it: pass --from "
+                                  f"{made_by} --force to the run's `pyvision run`")
+    assert not (done.run_path / stage).exists()
+
+
 def test_a_finished_stage_is_skipped_and_its_config_drift_named(tmp_path, capsys):
     sd = stage_dir(load_recipe(None, [f"runs_dir={tmp_path}"]), "merge", "r", runs_dir=None)
     sd.begin()
