@@ -478,10 +478,15 @@ class Store:
         return None if not rows or rows[0]["s"] is None else int(rows[0]["s"])
 
     def delete_metrics_after(self, run_id: str, stage: str, step: int) -> None:
-        """Forget metrics logged after ``step`` (a resumed run re-logs them)."""
+        """Forget metrics logged after ``step`` (a resumed run re-logs them), and for ``rl`` the
+        rollouts recorded after it: a resumed run that stops sooner (``--resume --force`` with
+        fewer steps) must not leave the first attempt's later steps in the report."""
         with self._transaction() as con:
             con.execute("DELETE FROM metrics WHERE run_id = ? AND stage = ? AND step > ?",
                         [run_id, stage, step])
+            if stage == "rl":
+                con.execute("DELETE FROM rl_rollouts WHERE run_id = ? AND step > ?",
+                            [run_id, step])
 
     # -- evaluation --------------------------------------------------------------------------
 

@@ -526,3 +526,17 @@ def test_a_write_the_disk_refuses_is_one_line_and_keeps_what_was_stored(tmp_path
     assert [m["step"] for m in store.metrics("r", "rl")] == [0]
     store.log_metrics("r", "rl", 1, {"loss": 0.5})  # room again: the store takes writes
     assert [m["step"] for m in store.metrics("r", "rl")] == [0, 1]
+
+
+def test_resuming_rl_forgets_the_rollouts_after_its_checkpoint(tmp_path):
+    store = Store(tmp_path / "s.duckdb")
+    row = {"group_index": 0, "sample_index": 0, "task_id": "t", "group_status": "kept",
+           "status": "kept", "reward": 1.0}
+    for step in range(4):
+        store.log_metrics("r", "rl", step, {"loss": 1.0})
+        store.set_rollouts("r", step, [row])
+    store.set_rollouts("other", 3, [row])
+    store.delete_metrics_after("r", "rl", 1)  # resumed from the checkpoint after step 1
+    assert sorted({m["step"] for m in store.metrics("r", "rl")}) == [0, 1]
+    assert [r["step"] for r in store.rollouts(["r"])] == [0, 1]
+    assert [r["step"] for r in store.rollouts(["other"])] == [3]
