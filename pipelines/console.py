@@ -51,7 +51,8 @@ class StatusProgress:
                 line = status() if status is not None else None
                 return Text(line or "", style="yellow")
 
-        self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+        # The label names models and folders: shown as it is, never read as markup.
+        self.bar = Progress(TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(),
                             TimeElapsedColumn(), _Status(), console=err, transient=True)
         self.task = self.bar.add_task(label, total=total, completed=done)
         self.bar.start()

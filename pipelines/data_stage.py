@@ -210,7 +210,7 @@ def _distill(recipe: Recipe, sd: StageDir, task_dirs: list[Path], summary: dict[
         s = card["samples"]
         err.print(f"distill: {s['drawn']} samples from {card['teacher']['served_model']}, "
                   f"{s['accepted']} verified, {card['selection']['kept']} kept "
-                  f"(rejected: {s['rejected'] or 'none'})")
+                  f"(rejected: {s['rejected'] or 'none'})", markup=False)
         summary["distill/samples"] = s["drawn"]
         summary["distill/accepted"] = s["accepted"]
         summary["distill/kept"] = card["selection"]["kept"]

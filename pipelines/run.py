@@ -18,6 +18,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from rich.markup import escape
+
 from pipelines.config.recipe import Recipe
 from pipelines.console import err
 from pipelines.errors import ConfigChanged, UserError
@@ -195,7 +197,7 @@ def run_pipeline(recipe: Recipe, *, store: Any, run_id: str | None = None,
         if done is not None:
             stale = _config_drift(sd)
             note = f" (its config differs in {stale}; pass --from {stage} --force to redo)" if stale else ""
-            err.print(f"[dim][{i}/{len(selected)}] {stage}: already done, skipped{note}[/]")
+            err.print(f"[dim][{i}/{len(selected)}] {stage}: already done, skipped{escape(note)}[/]")
             summary[stage] = {"status": "skipped", **done.summary}
             continue
         prepare, run = STAGE_STEPS[stage]

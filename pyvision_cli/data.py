@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import typer
+from rich.markup import escape
 
 from pyvision_cli.common import (
     ConfigOpt,
@@ -39,8 +40,8 @@ def synth(
 
     fams = [f.strip() for f in families.split(",")] if families else None
     manifest = synthesize(kind, n, seed, out, split=split, families=fams, force=force)
-    err.print(f"[green]{manifest['n']} {kind} tasks[/] in {out} ({manifest['tasks_per_s']} tasks/s): "
-              f"{manifest['counts']}")
+    err.print(f"[green]{manifest['n']} {kind} tasks[/] in {escape(str(out))} "
+              f"({manifest['tasks_per_s']} tasks/s): {escape(str(manifest['counts']))}")
     if json_out:
         print_json(manifest)
 
@@ -70,18 +71,18 @@ def validate(
 def _validate_table(report: dict) -> None:
     from rich.table import Table
 
-    table = Table(title=f"validate {report['path']}")
+    table = Table(title=f"validate {escape(str(report['path']))}")
     table.add_column("")
     table.add_column("count", justify="right")
     table.add_row("rows read", str(report["read"]))
     table.add_row("rows kept", str(report["kept"]))
     for reason, count in sorted(report["skipped"].items()):
-        table.add_row(f"skipped: {reason}", str(count))
+        table.add_row(f"skipped: {escape(str(reason))}", str(count))
     for key, count in sorted(report.get("by", {}).items()):
-        table.add_row(key, str(count))
+        table.add_row(escape(str(key)), str(count))
     err.print(table)
     for problem in report["problems"][:20]:
-        err.print(f"  [yellow]{problem}[/]", markup=True)
+        err.print(f"  [yellow]{escape(str(problem))}[/]", markup=True)
 
 
 @command(app)
@@ -104,7 +105,7 @@ def trajectories(
     manifest = make_trajectories(tasks, out, seed=seed, agent_cfg=recipe.agent,
                                  sandbox_cfg=recipe.sandbox, limit=limit, force=force)
     err.print(f"[green]kept {manifest['kept']} of {manifest['tasks']}[/] trajectories "
-              f"({manifest['trajectories_per_s']}/s); dropped: {manifest['dropped'] or 'none'}")
+              f"({manifest['trajectories_per_s']}/s); dropped: {escape(str(manifest['dropped'] or 'none'))}")
     if json_out:
         print_json(manifest)
 
@@ -156,7 +157,7 @@ def distill(
     rate = "-" if s["acceptance"] is None else f"{100 * s['acceptance']:.1f}%"
     err.print(f"[green]distilled[/] {card['tasks']['tried']} tasks: {s['drawn']} samples, "
               f"{s['accepted']} verified ({rate}), {sel['kept']} kept; rejected: "
-              f"{s['rejected'] or 'none'}; card: {out / 'card.md'}", soft_wrap=True)
+              f"{escape(str(s['rejected'] or 'none'))}; card: {escape(str(out / 'card.md'))}", soft_wrap=True)
     if json_out:
         print_json(card)
 
@@ -175,8 +176,6 @@ def export(
 ) -> None:
     """LLaMA-Factory sharegpt + dataset_info.json, or verl RL parquet."""
     from collections import Counter
-
-    from rich.markup import escape
 
     from pipelines.data.validate import skipped_rows
     from pipelines.errors import DataError, UserError
@@ -218,7 +217,7 @@ def export(
                   soft_wrap=True, highlight=False)
     # The problems are named in the warning (the first) and in --json (all): not again here.
     shown = {k: v for k, v in info.items() if k != "problems"}
-    err.print(f"[green]exported[/] {shown}")
+    err.print(f"[green]exported[/] {escape(str(shown))}")
     if json_out:
         print_json(info)
 
@@ -236,7 +235,7 @@ def download(
 
     check_writable_dir(out or Path("data") / name, "output folder")
     manifest = _download(name, out or Path("data") / name, strict=strict)
-    err.print(f"[green]{name}[/]: {manifest}")
+    err.print(f"[green]{escape(name)}[/]: {escape(str(manifest))}")
     if json_out:
         print_json(manifest)
 
@@ -255,8 +254,8 @@ def import_(
 
     check_writable_dir(out or Path("data") / name, "output folder")
     manifest = import_dataset(name, from_dir, out or Path("data") / name, strict=strict)
-    err.print(f"[green]{name}[/]: kept {manifest.get('kept', '-')} of {manifest.get('read', '-')} rows; "
-              f"skipped {manifest.get('skipped', {}) or 'none'}")
+    err.print(f"[green]{escape(name)}[/]: kept {manifest.get('kept', '-')} of {manifest.get('read', '-')} rows; "
+              f"skipped {escape(str(manifest.get('skipped', {}) or 'none'))}")
     if json_out:
         print_json(manifest)
 
@@ -287,6 +286,6 @@ def prepare(
         return
     with sd.running(force=force):
         result = run_data_stage(recipe, sd)
-    err.print(f"[green]data ready[/] in {sd.path}: {result['summary']}")
+    err.print(f"[green]data ready[/] in {escape(str(sd.path))}: {escape(str(result['summary']))}")
     if json_out:
         print_json(sd.manifest().to_json())

@@ -23,6 +23,7 @@ def doctor(
 
     Exits 1 when a required package is missing, 0 otherwise (warnings do not fail).
     """
+    from rich.markup import escape
     from rich.table import Table
 
     from pipelines.doctor import checks_as_json, run_checks
@@ -40,7 +41,8 @@ def doctor(
         table.add_column("what to do")
         style = {"ok": "green", "warn": "yellow", "missing": "red"}
         for c in checks:
-            table.add_row(c.name, f"[{style[c.status]}]{c.status.upper()}[/]", c.found, c.fix)
+            table.add_row(escape(c.name), f"[{style[c.status]}]{c.status.upper()}[/]",
+                          escape(c.found), escape(c.fix))
         err.print(table)
     if not result["ok"]:
         raise typer.Exit(1)

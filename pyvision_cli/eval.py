@@ -195,6 +195,7 @@ def _score_predictions(benchmark: str, predictions: Path, json_out: bool) -> Non
 
 def _rescore_run(benchmark: str, run_id: str, model_tag: str | None, config: Path | None,
                  sets: list[str] | None, store: Path | None, json_out: bool) -> None:
+    from rich.markup import escape
     from rich.table import Table
 
     from benchmarks import benchmark_class
@@ -215,12 +216,12 @@ def _rescore_run(benchmark: str, run_id: str, model_tag: str | None, config: Pat
     if json_out:
         print_json({"run_id": run_id, "benchmark": benchmark, "models": results})
     else:
-        table = Table(title=f"{benchmark} in run {run_id}: samples scored again")
+        table = Table(title=f"{escape(benchmark)} in run {escape(run_id)}: samples scored again")
         for column in ("model", "rule fallbacks", "now judged", "still fallback", primary):
             table.add_column(column)
         for model, r in results.items():
             value = r["aggregate"].get(primary)
-            table.add_row(model, str(r["rescored"]), str(r["judged"]), str(r["still_fallback"]),
+            table.add_row(escape(model), str(r["rescored"]), str(r["judged"]), str(r["still_fallback"]),
                           "-" if value is None else f"{100 * value:.1f}%")
         err.print(table)
     if any(r["still_fallback"] for r in results.values()):

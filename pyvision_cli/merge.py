@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import typer
+from rich.markup import escape
 
 from pyvision_cli.common import JsonOpt, command, err, make_app, print_json
 
@@ -47,7 +48,7 @@ def merge(
             raise UserError("--engine verl needs --checkpoint DIR",
                             hint="e.g. pyvision merge --engine verl --checkpoint ckpts/global_step_50 --out DIR")
         info = merge_verl(checkpoint, out, python=python, force=force)
-    err.print(f"[green]merged[/] into {info['path']} ({info['parameters']:,} parameters, "
+    err.print(f"[green]merged[/] into {escape(str(info['path']))} ({info['parameters']:,} parameters, "
               f"{'loaded and ran a forward pass' if info['full_load'] else 'weights checked'})")
     if json_out:
         print_json(info)

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import typer
+from rich.markup import escape
 
 from pyvision_cli.common import (
     ConfigOpt,
@@ -43,12 +44,12 @@ def tiny(
     from pipelines.models.tiny import build_tiny_model, describe_model
 
     start = time.monotonic()
-    with err.status(f"building tiny {arch} ({size}, seed {seed}) ..."):
+    with err.status(f"building tiny {escape(arch)} ({size}, seed {seed}) ..."):
         path = build_tiny_model(out_dir, size=size, seed=seed, force=force,  # type: ignore[arg-type]
                                 arch=arch)  # type: ignore[arg-type]
     info = describe_model(path) | {"size": size, "seed": seed, "arch": arch,
                                    "seconds": round(time.monotonic() - start, 2)}
-    err.print(f"[green]built[/] {path}: {info['parameters']:,} parameters "
+    err.print(f"[green]built[/] {escape(str(path))}: {info['parameters']:,} parameters "
               f"(vision {info['vision_parameters']:,}), vocabulary {info['vocab_size']}, "
               f"{info['disk_bytes'] / 1e6:.1f} MB, {info['seconds']} s")
     if json_out:
@@ -105,7 +106,7 @@ def pretrain(
     done = sd.finished(redo=force or resume)
     if done is not None:
         err.print(f"pretraining of run '{sd.run_id}' already finished ({sd.manifest_path}); "
-                  "pass --force to redo it")
+                  "pass --force to redo it", markup=False)
         if json_out:
             print_json(done.to_json())
         return
@@ -116,7 +117,7 @@ def pretrain(
         sd.finish({"model": str(target)}, {"final_loss": manifest["final_loss"],
                                            **{f"probe/{k}": v for k, v in manifest["probe"].items()}})
     probe = ", ".join(f"{k} {v:.2f}" for k, v in manifest["probe"].items())
-    err.print(f"[green]pretrained[/] {target}: loss {manifest['final_loss']:.3f}; probe: {probe}")
+    err.print(f"[green]pretrained[/] {escape(str(target))}: loss {manifest['final_loss']:.3f}; probe: {probe}")
     if json_out:  # the stage's manifest, as when it had finished before (the model's own
         # pretraining manifest, with every file's sha256, is in its folder)
         finished = sd.finished()
@@ -134,7 +135,7 @@ def probe(
     """What a base can do before SFT: copy, colour copy into code, read-back, image-text match."""
     from pipelines.models.probe import probe_path
 
-    with err.status(f"probing {model} ..."):
+    with err.status(f"probing {escape(str(model))} ..."):
         result = probe_path(model, n=n, seed=seed)
     for skill, score in result["scores"].items():
         need = result["thresholds"][skill]

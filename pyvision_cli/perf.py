@@ -131,7 +131,8 @@ def perf_rl(
                   f"{result['trainable_parameters']:,} trained, {result['device']} "
                   f"{result['dtype']}, {result['threads']} thread(s){mem}): rollout {r['trajectories_per_s']} trajectories/s "
                   f"({r['generated_tokens_per_s']} generated tokens/s); update "
-                  f"{u['tokens_per_s']} training tokens/s ({u['model_tokens_per_s']} model tokens/s)")
+                  f"{u['tokens_per_s']} training tokens/s ({u['model_tokens_per_s']} model tokens/s)",
+                  markup=False)
 
 
 @command(app, "report")

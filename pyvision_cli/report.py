@@ -47,11 +47,11 @@ def report(
     check_writable_dir(target, "--out")
     if not run and not st.runs():
         # As the table and JSON say for an empty store: nothing to show, and no error.
-        err.print(f"no runs in the store {st.path} yet; nothing written")
+        err.print(f"no runs in the store {st.path} yet; nothing written", markup=False)
         return
     written = write_report(st, run, [fmt], target)
     for kind, path in written.items():
-        err.print(f"{kind}: {path}")
+        err.print(f"{kind}: {path}", markup=False)
 
 
 def print_results(store, runs: list[str] | None, console=None, *, headline: bool = True) -> None:

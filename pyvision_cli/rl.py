@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 import typer
+from rich.markup import escape
 
 from pipelines.errors import UserError
 from pyvision_cli.common import (
@@ -61,7 +62,7 @@ def rl(
     done = None if dry_run or sanity else sd.finished(redo=force)
     if done is not None:
         err.print(f"rl of run '{sd.run_id}' already finished ({sd.manifest_path}); pass --force "
-                  "to redo it (with --resume: continue it with a changed config)")
+                  "to redo it (with --resume: continue it with a changed config)", markup=False)
         if json_out:
             print_json(done.to_json())
         return
@@ -85,7 +86,7 @@ def rl(
 
             print(shlex.join(plan["command"]))
             err.print(f"wrote the launch files to {plan['run_dir']} (launch.sh runs the command)",
-                      soft_wrap=True)
+                      soft_wrap=True, markup=False)
         return
     with sd.running(force=force, resume=resume, config_hint=RERUN_CONFIG_HINT,
                     refuse_unfinished=True):
@@ -93,4 +94,4 @@ def rl(
     if json_out:
         print_json(sd.manifest().to_json())
     else:
-        err.print(f"[green]RL done[/]: {result}")
+        err.print(f"[green]RL done[/]: {escape(str(result))}")

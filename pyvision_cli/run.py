@@ -69,6 +69,6 @@ def run(
         print_results(st, [rid], headline=False)
     report = Path(cfg.runs_dir) / rid / "report" / "report.html"
     if report.exists():
-        err.print(f"report: {report}")
+        err.print(f"report: {report}", markup=False)
     if json_out:
         print_json({"run_id": rid, "stages": summary})

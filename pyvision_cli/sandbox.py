@@ -63,4 +63,4 @@ def run(
     if result.stderr:
         err.print(terminal_safe(result.stderr), markup=False)
     for p in paths:
-        err.print(f"image: {p}")
+        err.print(f"image: {p}", markup=False)

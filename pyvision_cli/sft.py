@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 
 from pyvision_cli.common import (
     RERUN_CONFIG_HINT,
@@ -56,7 +57,7 @@ def sft(
     done = None if dry_run else sd.finished(redo=force)
     if done is not None:
         err.print(f"sft of run '{sd.run_id}' already finished ({sd.manifest_path}); "
-                  "pass --force to redo it")
+                  "pass --force to redo it", markup=False)
         if json_out:
             print_json(done.to_json())
         return
@@ -66,7 +67,7 @@ def sft(
         sd.path.mkdir(parents=True, exist_ok=True)
         path = lf.write_train_files(recipe.sft, sd.path, model_path=model_path,
                                     dataset_dir=ds_dir, dataset=ds_name, resume=resume)
-        err.print(f"wrote {path}")
+        err.print(f"wrote {path}", markup=False)
         if json_out:
             print_json({"train_yaml": str(path), "run_dir": str(sd.path)})
         return
@@ -75,6 +76,6 @@ def sft(
         summary = run_sft(recipe, sd, model=model_path, dataset_dir=ds_dir, dataset=ds_name,
                           resume=resume)
     err.print(f"[green]SFT done[/] in {summary['seconds']} s: loss {summary['first_loss']} -> "
-              f"{summary['last_loss']} over {summary['steps']} steps; model in {sd.path / 'output'}")
+              f"{summary['last_loss']} over {summary['steps']} steps; model in {escape(str(sd.path / 'output'))}")
     if json_out:
         print_json(sd.manifest().to_json())

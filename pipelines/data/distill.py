@@ -52,6 +52,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rich.markup import escape
+
 from pipelines.agent.trajectory import Trajectory
 from pipelines.config.recipe import Recipe
 from pipelines.console import StatusProgress, err
@@ -372,7 +374,7 @@ def distill(recipe: Recipe, task_dirs: list[str | Path], out: str | Path, *,
                 "same command again to draw the rest")
         if isinstance(exc, EndpointError):
             raise EndpointError(f"{exc.message} ({kept})", hint=exc.hint) from None
-        err.print(f"[yellow]interrupted:[/] {kept}", soft_wrap=True)
+        err.print(f"[yellow]interrupted:[/] {escape(kept)}", soft_wrap=True)
         raise
     finally:
         bar.close()

@@ -123,6 +123,7 @@ def extract_archive(archive: Path, dest: Path) -> None:
     marker = dest / f".{archive.name}.extracted"
     if marker.exists() or not archive.exists():
         return
+    from rich.markup import escape
     from rich.progress import Progress
 
     from pipelines.console import err
@@ -130,7 +131,7 @@ def extract_archive(archive: Path, dest: Path) -> None:
     with tarfile.open(archive) as tar:
         members = tar.getmembers()
         with Progress(console=err, transient=True) as progress:
-            task = progress.add_task(f"unpacking {archive.name}", total=len(members))
+            task = progress.add_task(f"unpacking {escape(archive.name)}", total=len(members))
             for member in members:
                 target = (dest / member.name).resolve()
                 if not str(target).startswith(str(dest.resolve())) or member.issym() or member.islnk():

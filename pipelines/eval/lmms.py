@@ -102,6 +102,7 @@ def run_lmms_eval(model: str, benchmarks: list[str], *, run_id: str, model_tag: 
     nothing to the store.
     """
     import yaml
+    from rich.markup import escape
 
     from pipelines.console import err
     from pipelines.fsutil import atomic_write_text
@@ -120,7 +121,7 @@ def run_lmms_eval(model: str, benchmarks: list[str], *, run_id: str, model_tag: 
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     log = out / "lmms_eval.log"
     start = time.time()
-    with err.status(f"lmms-eval on {', '.join(benchmarks)} (log: {log}) ..."), \
+    with err.status(f"lmms-eval on {escape(', '.join(benchmarks))} (log: {escape(str(log))}) ..."), \
             open(log, "w") as fh:
         proc = subprocess.run(argv, stdout=fh, stderr=subprocess.STDOUT, env=env, check=False)
     if proc.returncode != 0 or not _fresh_results(out, start):
@@ -146,5 +147,5 @@ def run_lmms_eval(model: str, benchmarks: list[str], *, run_id: str, model_tag: 
                                  n=counts.get(task, 0),
                                  benchmark_version=versions.get(task, f"lmms-eval/{task}"),
                                  prompt_version="lmms-eval", scorer="lmms-eval")
-    err.print(f"lmms-eval finished in {time.time() - start:.0f} s: {results}")
+    err.print(f"lmms-eval finished in {time.time() - start:.0f} s: {results}", markup=False)
     return results

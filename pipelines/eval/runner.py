@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rich.markup import escape
+
 from pipelines.config.recipe import Recipe
 from pipelines.console import StatusProgress, err
 from pipelines.core.media import trajectory_media
@@ -291,7 +293,7 @@ def run_eval(recipe: Recipe, *, model: str, model_tag: str, benchmarks: list[str
         if plan.stale:
             store.forget_eval_aggregate(run_id, model_tag, name)
             err.print(f"{model_tag} on {name}: {plan.stale} stored samples came from other "
-                      f"weights than {model}; evaluating them again")
+                      f"weights than {model}; evaluating them again", markup=False)
         start = time.monotonic()
         progress = StatusProgress(show_progress, f"eval {model_tag} on {name}", len(plan.tasks),
                                   len(plan.tasks) - len(pending),
@@ -321,7 +323,7 @@ def run_eval(recipe: Recipe, *, model: str, model_tag: str, benchmarks: list[str
             close = getattr(policy, "close", None)
             if close is not None:
                 close()
-            err.print(f"[yellow]interrupted:[/] {model_tag} on {name}: kept the {stored} samples "
+            err.print(f"[yellow]interrupted:[/] {escape(model_tag)} on {escape(name)}: kept the {stored} samples "
                       f"finished in this run; run the same command again to resume", soft_wrap=True)
             raise
         finally:
@@ -338,10 +340,8 @@ def run_eval(recipe: Recipe, *, model: str, model_tag: str, benchmarks: list[str
                       if scoring.probe else "")
             err.print(f"{model_tag} on {name}: {bench.primary_metric} = "
                       f"{'-' if head is None else f'{100 * head:.1f}%'} over {n_samples} samples"
-                      f" ({len(pending)} new, {rate:.2f} samples/s{judged})")
+                      f" ({len(pending)} new, {rate:.2f} samples/s{judged})", markup=False)
         if warning := fallback_warning(run_id, model_tag, name, scored_by):
-            from rich.markup import escape
-
             err.print(f"[yellow]warning:[/] {escape(warning)}", soft_wrap=True, highlight=False)
     _track(recipe, store, run_id, model_tag, results, {p.name: p.bench.primary_metric
                                                        for p in plans})

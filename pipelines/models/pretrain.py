@@ -140,7 +140,7 @@ def pretrain(cfg: PretrainConfig, *, size: str, seed: int, out: Path, work: Path
         start_step = int(state["step"])
         if store is not None and run_id:
             store.delete_metrics_after(run_id, "pretrain", start_step - 1)
-        err.print(f"resuming pretraining from {latest} (step {start_step})")
+        err.print(f"resuming pretraining from {latest} (step {start_step})", markup=False)
     else:
         torch.manual_seed(seed)
     encode = Encoder(processor, cfg.max_tokens)

@@ -197,14 +197,14 @@ def print_table(title: str, header: list[str], rows: list[list[str | Text]],
     """A table that is never cut to "benchm…". In a log (not a terminal) it is printed as wide
     as it needs, one line per row; in a terminal it wraps cells at spaces, and when even that
     would split words (a narrow terminal) it is printed as one block per row instead. Plain
-    strings are shown as they are (never read as markup)."""
+    strings (the title and headers too) are shown as they are (never read as markup)."""
     from pipelines.console import err
 
     console = console or err
     cells = [[c if isinstance(c, Text) else Text(safe(c)) for c in row] for row in rows]
-    table = Table(title=title)
+    table = Table(title=Text(title, style="table.title"))
     for h in header:
-        table.add_column(h, overflow="fold")
+        table.add_column(Text(h), overflow="fold")
     for row in cells:
         table.add_row(*row)
     # Measured without the console's width as a cap (console.measure clamps to it).

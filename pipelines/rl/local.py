@@ -479,7 +479,7 @@ def train_local(recipe: Recipe, sd: StageDir, *, model_path: str, task_dirs: lis
         state = load_checkpoint(latest, engine.optimizer, engine.sampler)
         start_step = int(state["step"])
         history = list(state.get("extra", {}).get("history", []))
-        err.print(f"resuming RL from {latest} (step {start_step})")
+        err.print(f"resuming RL from {latest} (step {start_step})", markup=False)
     if sd.store is not None:
         # Steps from start_step on are logged again (all of them when starting from step 0).
         sd.store.delete_metrics_after(sd.run_id, "rl", start_step - 1)

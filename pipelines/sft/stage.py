@@ -131,7 +131,7 @@ def run_sft(recipe: Recipe, sd: StageDir, *, model: str, dataset_dir: str, datas
     if resume and ckpt is None:
         err.print("[yellow]--resume: no checkpoint found; starting from the beginning[/]")
     elif ckpt is not None:
-        err.print(f"resuming SFT from {ckpt}")
+        err.print(f"resuming SFT from {ckpt}", markup=False)
     if sd.store is not None:
         # The steps after the checkpoint are logged again (every step when starting afresh).
         sd.store.delete_metrics_after(sd.run_id, "sft",

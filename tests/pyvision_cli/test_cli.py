@@ -276,3 +276,16 @@ def test_agent_run_shows_model_text_and_output_as_text(tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     assert "\x1b" not in result.output and "\x07" not in result.output
     assert "[/oops]" in result.output and "[link=file:///etc]" in result.output
+
+
+def test_paths_with_brackets_are_printed_as_they_are(tmp_path):
+    # A folder name is text, not rich markup: '[/b]' raised a MarkupError after the data was
+    # written, and '[v2]' vanished from the message.
+    out = tmp_path / "x[/b] data [v2]"
+    result = runner.invoke(app, ["data", "synth", "--kind", "image-search", "--n", "2",
+                                 "--out", str(out)], prog_name="pyvision")
+    assert result.exit_code == 0, result.output
+    assert "Traceback" not in result.output
+    assert (out / "tasks.jsonl").is_file()
+    # (compared without whitespace: the console wraps a long line, even inside a word)
+    assert "".join(f"in {out} (".split()) in "".join(result.output.split())

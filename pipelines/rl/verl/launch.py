@@ -122,9 +122,11 @@ def _processor(model: str) -> Any:
     from pipelines.core.modeldir import has_processor
 
     if not has_processor(model):
+        from rich.markup import escape
+
         from pipelines.console import err
 
-        err.print(f"[yellow]verl export: {model} is not a local model folder with a processor, "
+        err.print(f"[yellow]verl export: {escape(str(model))} is not a local model folder with a processor, "
                   "so prompts are not counted here; the agent loop drops any over "
                   "rl.max_prompt_tokens (stop reason prompt_too_long)[/]")
         return None

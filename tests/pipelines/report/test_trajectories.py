@@ -418,6 +418,17 @@ def test_tables_are_never_cut():
     assert "┃ benchmark " in wide.file.getvalue()
 
 
+def test_table_titles_and_headers_are_text_not_markup():
+    # Model keys (a folder's path by default) reach titles and headers: '[/b]' raised a
+    # MarkupError and '[v2]' vanished.
+    log = _console(width=200)
+    print_table("changed from /m/x[/b] to /m/y [v2]", ["/m/x[/b] answer", "[v2] answer"],
+                [["a", "b"]], log)
+    text = " ".join(log.file.getvalue().split())  # the title wraps to the table's width
+    assert "changed from /m/x[/b] to /m/y [v2]" in text
+    assert "/m/x[/b] answer" in text and "[v2] answer" in text
+
+
 def test_perf_report_measures_a_filled_store():
     from pipelines.perf.report import run_benchmark
 
