@@ -57,7 +57,8 @@ __all__ = ["CHANGES_HEADER", "COMPARISONS", "COMPARISON_HEADER", "LEVEL", "MODEL
 
 def write_report(store: Any, run_ids: list[str] | None, formats: Iterable[str],
                  out_dir: str | Path) -> dict[str, str]:
-    """Collect once, render each format into ``out_dir``; returns format -> file path."""
+    """Collect once, render each format into ``out_dir``; returns format -> file path. A report
+    that fails removes the folders it made and left empty (``out_dir``, its parents, media/)."""
     formats = list(formats)
     ts = None
     with store.session():  # every read on one connection; the lock is let go before rendering
@@ -69,8 +70,28 @@ def write_report(store: Any, run_ids: list[str] | None, formats: Iterable[str],
     if not data.runs:
         raise UserError(f"the store {store.path} has no runs yet",
                         hint="run a stage first, e.g. `make demo`, or pass --store")
+    from pipelines.report.trajectories import MEDIA_DIR
+
     out = Path(out_dir)
+    # The folders this report will make (media/, out, its missing parents), deepest first: a
+    # report that fails removes those it left empty, and never one that was there before.
+    made = [d for d in (out / MEDIA_DIR, out, *out.parents) if not d.exists()]
     out.mkdir(parents=True, exist_ok=True)
+    try:
+        return _write(store, data, ts, formats, out)
+    except BaseException:
+        for folder in made:
+            try:
+                folder.rmdir()
+            except FileNotFoundError:  # not made yet (media/ before the trajectory page)
+                continue
+            except OSError:  # something was written in it: its parents are not empty either
+                break
+        raise
+
+
+def _write(store: Any, data: ReportData, ts: Any, formats: list[str],
+           out: Path) -> dict[str, str]:
     images = make_plots(data, out) if {"markdown", "html"} & set(formats) else {}
     written: dict[str, str] = {}
     for name, path in images.items():

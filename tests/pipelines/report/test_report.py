@@ -117,6 +117,33 @@ def test_a_report_that_fails_midway_leaves_the_one_before_whole(tmp_path, monkey
     assert after == before
 
 
+def test_a_failed_report_leaves_no_folder_it_made(tmp_path, monkeypatch):
+    # A report that failed after making --out (and its parents) left them behind, empty.
+    import errno
+    import os
+
+    from matplotlib.figure import Figure
+
+    store = Store()
+    fill_store(store)
+
+    def full_disk(self, fname, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(fname))
+
+    monkeypatch.setattr(Figure, "savefig", full_disk)
+    new = tmp_path / "new" / "rep"
+    result = CliRunner().invoke(app, ["--format", "html", "--out", str(new)])
+    assert result.exit_code == 2, result.output
+    assert "cannot write" in result.output
+    assert not (tmp_path / "new").exists()
+    # A folder that was there before is the user's: kept, even empty.
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    with pytest.raises(OSError):
+        write_report(store, None, ["html"], mine)
+    assert mine.is_dir() and list(mine.iterdir()) == []
+
+
 def _chromium() -> str | None:
     return shutil.which("chromium") or shutil.which("chromium-browser")
 
