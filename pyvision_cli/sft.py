@@ -45,6 +45,7 @@ def sft(
     The YAML, the DeepSpeed config (if any) and the full log stay in runs/<run-id>/sft/, so the
     exact run can be repeated by hand. Loss and learning rate stream into the store.
     """
+    from pipelines.errors import UserError
     from pipelines.rundir import stage_dir
     from pipelines.sft import llamafactory as lf
     from pipelines.sft.stage import resolve_sft_inputs, run_sft
@@ -64,6 +65,10 @@ def sft(
     model_path, ds_dir, ds_name = resolve_sft_inputs(recipe, sd, model=model,
                                                      dataset_dir=dataset_dir, dataset=dataset)
     if dry_run:
+        if (sd.path / "environment.json").is_file():  # begun: its YAML is the stage's record
+            raise UserError(f"sft of run '{sd.run_id}' has begun: a dry run would rewrite its "
+                            f"{lf.TRAIN_YAML}", hint=f"read {sd.path / lf.TRAIN_YAML}, or pass "
+                            "--run-id NEW for a dry run of its own")
         sd.path.mkdir(parents=True, exist_ok=True)
         path = lf.write_train_files(recipe.sft, sd.path, model_path=model_path,
                                     dataset_dir=ds_dir, dataset=ds_name, resume=resume)

@@ -111,6 +111,33 @@ def test_relative_model_and_dataset_paths_reach_llamafactory_absolute(tiny_model
     assert hub == "Qwen/Qwen2.5-VL-7B-Instruct"
 
 
+def test_dry_run_writes_the_yaml_of_an_unbegun_stage_but_never_rewrites_a_begun_one(
+        tiny_model_dir, tmp_path):
+    # The YAML of a begun (or finished) stage is what its model was trained with, and its
+    # manifest points at it: a dry run (here with another learning rate) overwrote it.
+    from typer.testing import CliRunner
+
+    from pyvision_cli.main import app
+
+    data_dir, name = make_sharegpt(tmp_path / "data")
+    args = ["sft", "--run-id", "r", "--model", str(tiny_model_dir), "--dataset-dir", data_dir,
+            "--dataset", name, "--store", str(tmp_path / "s.duckdb"), "--dry-run",
+            "--set", f"runs_dir={tmp_path / 'runs'}"]
+    first = CliRunner().invoke(app, args)
+    assert first.exit_code == 0, first.output
+    yaml_path = tmp_path / "runs" / "r" / "sft" / lf.TRAIN_YAML
+    assert yaml.safe_load(yaml_path.read_text())["model_name_or_path"] == str(tiny_model_dir)
+    stage_dir(load_recipe(None, [f"runs_dir={tmp_path / 'runs'}"]), "sft", "r",
+              runs_dir=None).begin()
+    lf.write_train_files(load_recipe(None).sft, yaml_path.parent, model_path=str(tiny_model_dir),
+                         dataset_dir=data_dir, dataset=name)
+    before = yaml_path.read_bytes()
+    again = CliRunner().invoke(app, [*args, "--set", "sft.learning_rate=0.5"])
+    assert again.exit_code == 2
+    assert "has begun: a dry run would rewrite its llamafactory_train.yaml" in again.output
+    assert yaml_path.read_bytes() == before
+
+
 def _fake_python(tmp_path: Path, code: int) -> str:
     script = tmp_path / "fake-python"
     script.write_text("#!/bin/sh\nfor i in $(seq 1 40); do echo \"log line $i\"; done\n"
