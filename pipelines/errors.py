@@ -10,12 +10,18 @@ Messages follow one shape: *what* went wrong, *where* (file, line, key, URL), an
 from __future__ import annotations
 
 import codecs
+import errno
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import json
+
+
+DISK_REFUSED = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+"""The errors of a write the disk refused (full, over quota, read-only): the user's to fix, so one
+line (the CLI for an ``OSError``, the store for DuckDB's), not a traceback."""
 
 
 class UserError(Exception):

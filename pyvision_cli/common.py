@@ -8,7 +8,6 @@ library, so every command's ``--help`` is instant.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import sys
@@ -25,7 +24,7 @@ from typer._click.exceptions import NoArgsIsHelpError, UsageError
 from typer.core import TyperGroup
 
 from pipelines.console import err
-from pipelines.errors import UserError
+from pipelines.errors import DISK_REFUSED, UserError
 
 
 def debug_enabled() -> bool:
@@ -48,10 +47,6 @@ def _usage_error(exc: UsageError) -> typer.Exit:
     return typer.Exit(exc.exit_code)
 
 
-_DISK_REFUSED = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
-"""The errors of a write the disk refused: full, over quota, read-only."""
-
-
 def _reraise_user_errors(call, *args, **kwargs):
     """Run a command; a UserError becomes one unwrapped red line on stderr and exit code 2.
 
@@ -65,7 +60,7 @@ def _reraise_user_errors(call, *args, **kwargs):
         print_error(exc.one_line())
         raise typer.Exit(exc.exit_code) from None
     except OSError as exc:
-        if exc.errno not in _DISK_REFUSED:
+        if exc.errno not in DISK_REFUSED:
             raise
         # A disk that fills up (or is remounted read-only) mid-command: the atomic writes have
         # removed their temp files; say so in one line rather than a traceback from deep inside.

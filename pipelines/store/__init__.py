@@ -17,7 +17,6 @@ higher version than this code knows) is refused rather than silently misread.
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import json
 import math
@@ -33,7 +32,7 @@ from typing import Any
 import duckdb
 
 from pipelines.core.media import MediaBlob
-from pipelines.errors import UserError
+from pipelines.errors import DISK_REFUSED, UserError
 
 # Rows a multi-row statement carries at most. ``executemany`` runs one statement per row: 64
 # evaluated samples (5 statements each) took 0.61 s of CPU to write that way, 0.19 s as a few
@@ -126,7 +125,7 @@ def _is_write_failure(exc: Exception) -> bool:
     """DuckDB's errors for a write the disk refused: full, over quota, or remounted read-only
     (the transaction is rolled back; the file keeps what it held)."""
     text = str(exc)
-    return any(os.strerror(code) in text for code in (errno.ENOSPC, errno.EDQUOT, errno.EROFS))
+    return any(os.strerror(code) in text for code in DISK_REFUSED)
 
 
 _DAMAGED_HINT = ("the file is damaged (an interrupted copy?): restore it from a copy, or pass "
