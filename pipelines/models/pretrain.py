@@ -75,7 +75,8 @@ def _solver_texts(seed: int, n: int = 120) -> list[str]:
             for i in range(n):
                 task = make(fams[i % len(fams)], task_rng(kind, 10_000 + seed, "tokenizer", i), i,
                             "tokenizer", root)
-                p = plan(task, random.Random(i))
+                # The solvers' first style: the text the shipped base's tokenizer was made from.
+                p = plan(task, random.Random(i), style="consts")
                 texts.append(task.question + "\n" + "\n".join(render_turn(s) for s in p.steps)
                              + "\n" + render_answer(p))
     return texts
