@@ -42,4 +42,6 @@ class SandboxConfig(Section):
 
     max_images_per_call: int = Field(16, ge=0, le=1024)
     """Most images one code call may return; the call's output says once how many more were
-    dropped."""
+    dropped. With ``max_output_chars`` it bounds the bytes the host receives for one call's reply
+    (``sandbox.client.reply_limit``: about 18.75 MiB an image, 300 MiB with the defaults); a
+    forged reply that would take more is refused (a crashed call)."""

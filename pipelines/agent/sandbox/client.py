@@ -26,6 +26,7 @@ from typing import Any, Literal, Self
 
 from pipelines.agent.sandbox._zygote import (
     BIG_FRAME,
+    LENGTH,
     RUN_TAG,
     output_buffer_size,
     read_in_place,
@@ -49,6 +50,8 @@ Status = Literal["ok", "error", "timeout", "oom", "crashed"]
 # is at most 6 bytes of JSON, \uXXXX), and the shown images' specs: anything longer is forged.
 HEADER_BYTES_PER_CHAR = 12
 HEADER_SLACK_BYTES = 64 * 1024
+# A shown image that the host keeps is RGB pixels within the shown-pixel limit (Sandbox._fits).
+SHOWN_IMAGE_BYTES = SHOWN_IMAGE_MAX_PIXELS * 3
 # The shown images follow the header at once; the code cannot stretch its call past its limit by
 # trickling them, by more than this.
 IMAGES_GRACE_S = 5.0
@@ -132,13 +135,19 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> b
 class _FrameReader:
     """A running sandbox's socket, non-blocking, every wait bounded by a deadline: a call costs a
     ``send``, a ``poll`` and (with the read-ahead buffer) usually one ``recv``. Made after the
-    output buffer's descriptor was received (a buffered read would swallow it)."""
+    output buffer's descriptor was received (a buffered read would swallow it).
+
+    ``left``: how many more bytes it may receive (None: any number), set for each reply
+    (:func:`reply_limit`); a frame whose length would take it past that is refused before it is
+    allocated or received, and no read asks for more."""
 
     def __init__(self, sock: socket.socket) -> None:
         import select
 
         self.sock = sock
         self.buf = bytearray()
+        self.limit: int | None = None
+        self.left: int | None = None
         sock.setblocking(False)
         self.poll = select.poll()
         self.poll.register(sock, select.POLLIN)
@@ -160,8 +169,27 @@ class _FrameReader:
                 if left <= 0 or not select.select([], [self.sock], [], left)[1]:
                     raise TimeoutError from None
 
+    def expect_reply(self, limit: int | None) -> None:
+        """Receive at most ``limit`` more bytes (None: no bound) until told otherwise."""
+        self.limit = self.left = limit
+
+    def _room(self, want: int, need: int) -> int:
+        """How many bytes one read may ask for: ``want``, within what is left, which must hold
+        the ``need`` bytes still missing."""
+        if self.left is None:
+            return want
+        if need > self.left:
+            raise ValueError(f"sandbox sent a reply past its limit of {self.limit} bytes")
+        return min(want, self.left)
+
+    def _took(self, k: int) -> None:
+        if self.left is not None:
+            self.left -= k
+
     def _take(self, n: int, deadline: float) -> bytes | bytearray:
         if n - len(self.buf) > BIG_FRAME:  # pixels: received in place, not grown and sliced
+            missing = n - len(self.buf)  # (within what is left: see frame)
+
             def recv_into(view: memoryview) -> int | None:
                 self._wait(deadline)
                 try:
@@ -169,15 +197,19 @@ class _FrameReader:
                 except BlockingIOError:
                     return None
 
-            return read_in_place(self.buf, n, recv_into)
+            out = read_in_place(self.buf, n, recv_into)
+            self._took(missing)
+            return out
         while len(self.buf) < n:
             self._wait(deadline)  # poll first: the reply is rarely there already
             try:
-                chunk = self.sock.recv(max(n - len(self.buf), 65536))
+                chunk = self.sock.recv(self._room(max(n - len(self.buf), 65536),
+                                                  n - len(self.buf)))
             except BlockingIOError:
                 continue
             if not chunk:
                 raise EOFError
+            self._took(len(chunk))
             self.buf += chunk
         out = bytes(self.buf[:n])
         del self.buf[:n]
@@ -187,19 +219,39 @@ class _FrameReader:
         if not self.buf:  # the usual reply: one frame, whole in one read, taken as it came
             self._wait(deadline)
             try:
-                chunk = self.sock.recv(65536)
+                chunk = self.sock.recv(self._room(65536, LENGTH.size))
             except BlockingIOError:
                 chunk = b""
             else:
                 if not chunk:
                     raise EOFError
+                self._took(len(chunk))
             if (payload := whole_frame(chunk, limit)) is not None:
                 return payload
             self.buf += chunk
         (n,) = struct.unpack(">I", self._take(4, deadline))
         if n > limit:
             raise ValueError(f"sandbox sent a {n}-byte frame (limit {limit})")
+        if self.left is not None and n - len(self.buf) > self.left:  # before it is allocated
+            raise ValueError(f"sandbox sent a {n}-byte frame past its reply's limit of "
+                             f"{self.limit} bytes")
         return self._take(n, deadline)
+
+
+def reply_limit(config: SandboxConfig) -> int:
+    """The most bytes the host receives for one call's reply, its frames' length prefixes
+    included: the header (stdout and stderr at ``max_output_chars``, the image specs) and
+    ``max_images_per_call`` shown images at the shown-pixel limit, all a real worker can send.
+    A reply that would take more (the code can write forged frames to the socket) is refused as
+    its frames' lengths arrive, before anything past the limit is received or allocated. (Each
+    image frame is also held to ``MAX_IMAGE_BYTES``; that alone let a forged reply take
+    ``max_images_per_call`` x 32 MiB, 1.7 times this limit with the defaults.)"""
+    return (LENGTH.size + _header_limit(config)
+            + config.max_images_per_call * (LENGTH.size + SHOWN_IMAGE_BYTES))
+
+
+def _header_limit(config: SandboxConfig) -> int:
+    return HEADER_BYTES_PER_CHAR * config.max_output_chars + HEADER_SLACK_BYTES
 
 
 def _recv_frame(sock: socket.socket, limit: int, deadline: float | None = None) -> bytes:
@@ -328,10 +380,12 @@ class Sandbox:
             sock = self._sock
         assert sock is not None
         start = time.monotonic()
-        header_limit = HEADER_BYTES_PER_CHAR * self.config.max_output_chars + HEADER_SLACK_BYTES
+        header_limit = _header_limit(self.config)
         try:
             deadline = start + self.config.timeout_s
             self._frames.send(RUN_TAG + code.encode("utf-8", "surrogatepass"), deadline)
+            # The whole reply, text and images, is held to one bound as it is received.
+            self._frames.expect_reply(reply_limit(self.config))
             header = json.loads(self._frames.frame(header_limit, deadline))
             if not isinstance(header, dict):
                 raise ValueError("bad reply")  # noqa: TRY004 - handled as a crash below

@@ -359,6 +359,98 @@ def test_images_trickled_after_the_reply_cannot_stretch_the_call():
         assert time.monotonic() - start < 2 + 5 + 3  # the limit, the images' grace, slack
 
 
+class _CountedSocket:
+    """A socket whose received bytes are counted (what the host's reader took in)."""
+
+    def __init__(self, sock) -> None:
+        self.sock, self.received = sock, 0
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def setblocking(self, flag: bool) -> None:
+        self.sock.setblocking(flag)
+
+    def send(self, data) -> int:
+        return self.sock.send(data)
+
+    def recv(self, n: int) -> bytes:
+        data = self.sock.recv(n)
+        self.received += len(data)
+        return data
+
+    def recv_into(self, view) -> int:
+        k = self.sock.recv_into(view)
+        self.received += k
+        return k
+
+
+def test_a_forged_reply_is_refused_before_the_host_takes_in_more_than_its_limit(monkeypatch):
+    """Each image frame may be up to MAX_IMAGE_BYTES (32 MiB), more than a real shown image
+    (2560 x 2560 RGB pixels): a forged reply of such frames is refused as soon as the next
+    frame's length would take the reply past ``reply_limit``, before it is received, and the
+    call is a crash; real images at the shown-pixel limit, as many as allowed, still arrive."""
+    from pipelines.agent.sandbox import MAX_IMAGE_BYTES, client
+    from pipelines.agent.sandbox.client import reply_limit
+
+    readers = []
+
+    class CountingReader(client._FrameReader):
+        def __init__(self, sock) -> None:
+            super().__init__(_CountedSocket(sock))
+            readers.append(self)
+
+    monkeypatch.setattr(client, "_FrameReader", CountingReader)
+    cfg = SandboxConfig(timeout_s=20, max_output_chars=256, max_images_per_call=2)
+    limit = reply_limit(cfg)
+    assert 2 * MAX_IMAGE_BYTES > limit  # two frames each within their own limit, not together
+    with Sandbox(cfg) as s:
+        big = "Image.new('RGB', (2560, 2560), (9, 9, 9)).show()\n"
+        shown = s.run(big * 2)
+        assert shown.status == "ok" and [f.size for f in shown.frames] == [(2560, 2560)] * 2
+        assert readers[-1].sock.received <= limit
+        readers[-1].sock.received = 0
+        spec = "{'mode': 'RGB', 'size': [2560, 2560]}"
+        result = s.run(FORGE + f"send(json.dumps({{'status': 'ok', 'images': [{spec}] * 2}})"
+                       f".encode())\nsend(bytes({MAX_IMAGE_BYTES}))\n"
+                       f"send(bytes({MAX_IMAGE_BYTES}))\nimport time\ntime.sleep(5)")
+        assert isinstance(result, ExecResult) and result.status == "crashed", result
+        assert "limit" in result.stderr and result.frames == []
+        assert readers[-1].sock.received <= limit
+        assert _ok(s.run("print(1)")).strip().endswith("1")  # restarted
+
+
+def test_the_reply_reader_refuses_a_frame_past_the_reply_s_limit_before_receiving_it():
+    import socket
+    import threading
+
+    from pipelines.agent.sandbox._zygote import send_frame
+    from pipelines.agent.sandbox.client import _FrameReader
+
+    a, b = socket.socketpair()
+    with a, b:
+        header, image = b"{}" * 100, bytes(3 << 20)
+
+        def send() -> None:
+            with contextlib.suppress(OSError):  # the reader's end closes before it is all sent
+                send_frame(a, header)
+                send_frame(a, image)
+
+        sender = threading.Thread(target=send, daemon=True)
+        sender.start()
+        counted = _CountedSocket(b)
+        reader = _FrameReader(counted)
+        limit = 4 + len(header) + 4 + len(image) - 1  # one byte short
+        reader.expect_reply(limit)
+        deadline = time.monotonic() + 10
+        assert reader.frame(1 << 16, deadline) == header
+        with pytest.raises(ValueError, match="limit"):
+            reader.frame(1 << 30, deadline)
+        assert counted.received <= limit
+        b.close()  # (the sender's blocked write ends)
+        sender.join(5)
+
+
 def test_memory_that_the_address_space_limit_misses_is_refused(sbx):
     """memfd pages and SysV segments outlive their mappings, uncounted by RLIMIT_AS: their
     system calls fail (a seccomp filter)."""
