@@ -1761,7 +1761,7 @@ def zygote_main(control_fd: int, mode: str) -> None:
         for pid in children:
             end_sandbox(pid, mode)
         for path in workdirs.values():
-            shutil.rmtree(path, ignore_errors=True)
+            remove_tree(path)
         os._exit(0)
 
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -1780,7 +1780,7 @@ def zygote_main(control_fd: int, mode: str) -> None:
                 end_sandbox(pid, mode)
             _, status = os.waitpid(pid, 0)
             if pid in workdirs:  # (symbolic links the code left in it are removed, not followed)
-                shutil.rmtree(workdirs.pop(pid), ignore_errors=True)
+                remove_tree(workdirs.pop(pid))
             sid = children.pop(pid, None)
             if sid is not None:
                 info = {"signal": os.WTERMSIG(status)} if os.WIFSIGNALED(status) \
@@ -1825,6 +1825,51 @@ def end_sandbox(pid: int, mode: str) -> None:
             os.killpg(pid, signal.SIGKILL)  # the intermediate leads the group
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
+
+
+def remove_tree(root: str) -> None:
+    """Remove the folder ``root`` and everything in it as far as its owner may, never raising.
+
+    A sandbox's folder holds what its code left, once the code is gone: a folder it made
+    unreadable or unwritable (``os.chmod(d, 0)``), which the owner cannot list or empty (root
+    can), is given back the owner's rwx and its removal retried, once a path. Nothing outside
+    ``root`` is touched: symbolic links are removed, never followed, chmodded or descended into,
+    and no folder above ``root`` changes."""
+    inside = os.path.join(root, "")
+    tried: set[str] = set()
+
+    def retry(func: Callable, path: str, exc_info: tuple) -> None:
+        if not isinstance(exc_info[1], PermissionError) or path in tried \
+                or not (path == root or path.startswith(inside)):
+            return
+        tried.add(path)
+        if path != root:  # its folder, inside root: listing and emptying it is what failed
+            _owner_may_empty(os.path.dirname(path))
+        if _owner_may_empty(path):  # a folder (not a link to one): its entries, then itself
+            shutil.rmtree(path, onerror=retry)
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+    shutil.rmtree(root, onerror=retry)
+
+
+def _owner_may_empty(path: str) -> bool:
+    """Give the owner rwx on the folder ``path``; False, changing nothing, when it is not a
+    folder (a symbolic link, whatever it points to, is not) or cannot be changed. The folder is
+    opened without following a link (O_PATH: no permission on it needed) and changed through
+    that descriptor, so a link put in its place is never followed."""
+    try:
+        fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        os.chmod(f"/proc/self/fd/{fd}", (os.fstat(fd).st_mode & 0o7777) | 0o700)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return True
 
 
 def extend_import_path(entries: str) -> None:

@@ -12,7 +12,6 @@ import atexit
 import contextlib
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -23,6 +22,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pipelines.agent.sandbox import isolation
+from pipelines.agent.sandbox._zygote import remove_tree
 
 ZYGOTE_SCRIPT = Path(__file__).with_name("_zygote.py")
 
@@ -212,7 +212,7 @@ class Zygote:
                 self.proc.kill()
             self.proc = None
         if self.tmp_base:
-            shutil.rmtree(self.tmp_base, ignore_errors=True)
+            remove_tree(self.tmp_base)  # (the sandboxes' folders, which the code could chmod)
             self.tmp_base = None
 
 

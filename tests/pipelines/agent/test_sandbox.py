@@ -286,7 +286,8 @@ def test_rlimit_mode_ends_every_process_a_sandbox_started():
 def test_an_rlimit_sandbox_s_folder_is_removed_when_it_ends(tmp_path):
     """An rlimit-mode worker's own folder (what the code wrote, a video task's copy of its
     video) is removed when its sandbox ends, a crashed worker's at once: not at the host's exit,
-    which let a long evaluation fill /tmp. Links the code left there are not followed."""
+    which let a long evaluation fill /tmp. Links the code left there are not followed, folders
+    it locked (mode 0: see the next test, for a host not run as root) are removed too."""
     from pipelines.agent.sandbox import isolation
 
     def gone(path: str) -> bool:
@@ -301,13 +302,96 @@ def test_an_rlimit_sandbox_s_folder_is_removed_when_it_ends(tmp_path):
     isolation._warned_rlimit = True  # the rlimit warning has its own test
     with Sandbox(SandboxConfig(timeout_s=5, isolation="rlimit")) as s:
         first = _ok(s.run("import os\nopen('data.bin', 'wb').write(bytes(1000))\n"
-                          f"os.symlink({str(kept)!r}, 'link')\nprint(os.getcwd())")).strip()
+                          f"os.symlink({str(kept)!r}, 'link')\nos.makedirs('locked/in')\n"
+                          "open('locked/in/f', 'w').write('x')\nos.chmod('locked/in', 0)\n"
+                          "os.chmod('locked', 0)\nprint(os.getcwd())")).strip()
         assert os.path.isfile(os.path.join(first, "data.bin"))
         assert s.run("import os\nos._exit(3)").status == "crashed"
         second = _ok(s.run("import os\nprint(os.getcwd())")).splitlines()[-1]  # restarted
         assert second != first and gone(first)
     assert gone(second)
     assert (kept / "file.txt").read_text() == "host data"
+
+
+def _as_nobody(fn) -> None:
+    """``fn()`` as a user the file modes apply to: this process where it is not root, else a
+    forked child that drops to nobody (root reads, writes and removes whatever the modes say)."""
+    if os.getuid() != 0:
+        fn()
+        return
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            os.setgroups([])
+            os.setresgid(65534, 65534, 65534)
+            os.setresuid(65534, 65534, 65534)
+            fn()
+            code = 0
+        except BaseException:  # noqa: BLE001 - said, then the exit code fails the test
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "see the child's traceback above"
+
+
+def test_a_sandbox_s_folder_the_code_locked_is_removed_without_following_its_links():
+    """Code in an rlimit sandbox may chmod folders in its own folder (or that folder itself) to
+    0, 0o500 (no removing what is in it) or 0o600 (no reaching it): its owner (the host's user,
+    root aside) then could not list or empty them, and the folder, with any copy of a video,
+    stayed behind. ``remove_tree`` gives folders inside back their owner's rwx and removes them;
+    the links the code planted there, to a host file and a host folder, are removed without the
+    mode of what they point to changing."""
+    import shutil
+    import tempfile
+
+    from pipelines.agent.sandbox._zygote import remove_tree
+
+    base = Path(tempfile.mkdtemp(prefix="pyvision-test-", dir="/tmp"))  # (nobody reaches /tmp)
+    host_file, host_dir = base / "host.txt", base / "host-dir"
+    works = [base / "work", base / "locked-work"]
+
+    def plant() -> None:
+        host_file.write_text("host data")
+        host_dir.mkdir()
+        for work in works:
+            work.mkdir()
+            (work / "video.mp4").write_bytes(bytes(100))
+        work = works[0]
+        (work / "locked/deep").mkdir(parents=True)
+        (work / "locked/deep/file").write_text("x")
+        # Folders holding only a link: removing (or reaching) the link is what fails there.
+        links = {"locked/link": host_file, "readonly/link": host_file,
+                 "readonly-too/link": host_dir, "unreachable/link": host_file}
+        for name, target in links.items():
+            (work / name).parent.mkdir(exist_ok=True)
+            (work / name).symlink_to(target)
+        for name, mode in (("locked/deep", 0), ("locked", 0), ("readonly", 0o500),
+                           ("readonly-too", 0o500), ("unreachable", 0o600)):
+            os.chmod(work / name, mode)
+        os.chmod(works[1], 0)  # the folder itself
+        os.chmod(host_file, 0o640)
+        os.chmod(host_dir, 0o750)
+
+    def remove() -> None:
+        for work in works:
+            remove_tree(str(work))
+
+    try:
+        if os.getuid() == 0:
+            os.chown(base, 65534, 65534)  # so that a chmod that followed a link would succeed
+        _as_nobody(plant)
+        modes = {p: p.stat().st_mode for p in (host_file, host_dir)}
+        _as_nobody(remove)
+        assert [w for w in works if os.path.lexists(w)] == []
+        assert {p: p.stat().st_mode for p in modes} == modes
+        assert host_file.read_text() == "host data"
+    finally:
+        subprocess.run(["chmod", "-R", "u+rwx", str(base)], check=False)  # (links: not followed)
+        shutil.rmtree(base, ignore_errors=True)
 
 
 # Model code shares the worker's process, so it can reach the worker's socket to the host and
