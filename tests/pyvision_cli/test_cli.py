@@ -289,3 +289,21 @@ def test_paths_with_brackets_are_printed_as_they_are(tmp_path):
     assert (out / "tasks.jsonl").is_file()
     # (compared without whitespace: the console wraps a long line, even inside a word)
     assert "".join(f"in {out} (".split()) in "".join(result.output.split())
+
+
+def test_a_boolean_for_a_number_is_a_config_error(tmp_path, monkeypatch):
+    # `--set agent.max_turns_eval=true` ran evaluation with one turn.
+    import pipelines.run
+
+    def never(*args, **kwargs):
+        raise AssertionError("the run started")
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(pipelines.run, "run_pipeline", never)
+    result = runner.invoke(app, ["run", "tiny-cpu", "--set", "agent.max_turns_eval=true"],
+                           prog_name="pyvision")
+    assert result.exit_code == 2, result.output
+    (line,) = result.output.strip().splitlines()
+    assert line.startswith("error: invalid value for 'agent.max_turns_eval'"), line
+    assert "got a boolean" in line and "Fix: " in line
+    assert list(tmp_path.iterdir()) == []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import types
 import typing
 from pathlib import Path
@@ -114,6 +115,41 @@ def test_unknown_key_from_set_override():
 def test_out_of_bounds_value_is_located():
     with pytest.raises(ConfigError, match=r"'rl\.n'.*greater than or equal to 2"):
         load_recipe(None, ["rl.n=1"])
+
+
+@pytest.mark.parametrize("item", ["agent.max_turns_eval=true", "agent.max_turns_eval=yes",
+                                  "agent.temperature=false", "agent.code_temperature=true",
+                                  "model.pretrain.mixture={copy: true}"])
+def test_a_boolean_is_not_a_number(item):
+    # Lax mode read `true` as 1 (and 1.0): max_turns_eval=true was one turn, without a word.
+    key = item.split("=")[0]
+    with pytest.raises(ConfigError, match=rf"invalid value for '{re.escape(key)}'.*got a boolean") as info:
+        load_recipe(None, [item])
+    assert "\n" not in info.value.one_line()
+
+
+def test_a_boolean_is_not_a_number_in_a_yaml_file(tmp_path):
+    bad = tmp_path / "r.yaml"
+    bad.write_text("name: x\nagent:\n  max_turns_eval: true\n")
+    with pytest.raises(ConfigError, match=r"'agent\.max_turns_eval' in .*r\.yaml.*valid integer"):
+        load_recipe(bad)
+
+
+def test_numbers_still_read_as_before(tmp_path):
+    # An int for a float, a numeric string, a fraction refused for an int, booleans for booleans.
+    good = tmp_path / "r.yaml"
+    good.write_text("name: x\nrl:\n  learning_rate: 1\nsft:\n  learning_rate: 1.0e-3\n"
+                    "  extra: {flag: true, n: 2}\nagent:\n  max_turns_eval: '7'\n")
+    recipe = load_recipe(good, ["agent.temperature=1", "agent.max_turns_train=3",
+                                "rl.strategy.rank_by_std=false", "agent.image_factor=32",
+                                "agent.on_error=terminate"])
+    assert recipe.rl.learning_rate == 1.0 and isinstance(recipe.rl.learning_rate, float)
+    assert recipe.sft.learning_rate == pytest.approx(1e-3)
+    assert recipe.sft.extra == {"flag": True, "n": 2}
+    assert recipe.agent.max_turns_eval == 7 and recipe.agent.max_turns_train == 3
+    assert recipe.agent.temperature == 1.0 and recipe.rl.strategy.rank_by_std is False
+    with pytest.raises(ConfigError, match=r"'agent\.max_turns_eval'.*fractional part"):
+        load_recipe(None, ["agent.max_turns_eval=2.5"])
 
 
 def test_cross_field_check():
