@@ -111,6 +111,8 @@ class StageDir:
     store: Any = None
     recipe_path: str | None = None
     started: bool = field(default=False, init=False)
+    _finished_summary: dict[str, Any] | None = field(default=None, init=False, repr=False)
+    """The summary of the manifest this attempt wrote (None until :meth:`finish` wrote it)."""
 
     @property
     def path(self) -> Path:
@@ -234,12 +236,17 @@ class StageDir:
                                   recipe_path=self.recipe_path, config=self._config_dict(),
                                   git_sha=git_sha())
             self.store.set_stage(self.run_id, self.stage, "running", run_dir=str(self.path))
+        self._finished_summary = None
         self.started = True
 
     def finish(self, outputs: Mapping[str, Any], summary: Mapping[str, Any] | None = None) -> None:
         """Write ``manifest.json`` (last) and mark the stage done in the store. ``outputs`` must
         have the stage's shape (:data:`pipelines.manifest.OUTPUTS`): a stage that writes
-        something later stages cannot read fails here, before its manifest exists."""
+        something later stages cannot read fails here, before its manifest exists.
+
+        The manifest decides: once it is written the stage has finished, even if the store's
+        update after it never happens (Ctrl-C, a crash in between). :meth:`running` then does
+        not record a failure, and :meth:`finished` corrects a store that still says otherwise."""
         manifest = {
             "run_id": self.run_id,
             "stage": self.stage,
@@ -248,6 +255,7 @@ class StageDir:
             "summary": dict(summary or {}),
         }
         atomic_write_json(self.manifest_path, manifest)
+        self._finished_summary = manifest["summary"]
         if self.store is not None:
             self.store.set_stage(self.run_id, self.stage, "done", summary=manifest["summary"])
 
@@ -257,8 +265,21 @@ class StageDir:
 
     def finished(self, *, redo: bool = False) -> StageManifest | None:
         """The manifest of this stage when it finished and is not to be redone: the caller skips
-        the stage. None when the stage is to run (through :meth:`running`)."""
-        return None if redo or not self.is_complete() else self.manifest()
+        the stage. None when the stage is to run (through :meth:`running`).
+
+        A store that still says this finished stage is running or failed (the command was
+        stopped between writing the manifest and updating the store) is marked done, with the
+        manifest's summary: the two agree again. A store with no row for the stage is left
+        alone (a store other than the run's)."""
+        if redo or not self.is_complete():
+            return None
+        manifest = self.manifest()
+        if self.store is not None and not getattr(self.store, "read_only", False):
+            row = next((r for r in self.store.stages(self.run_id) if r["stage"] == self.stage),
+                       None)
+            if row is not None and row["status"] != "done":
+                self.store.set_stage(self.run_id, self.stage, "done", summary=manifest.summary)
+        return manifest
 
     @contextlib.contextmanager
     def running(self, *, force: bool = False, resume: bool = False,
@@ -270,7 +291,9 @@ class StageDir:
         When the block raises (Ctrl-C and bad input included) the failure is recorded in the
         store and the exception goes on: the manifest is the block's last write, so a failed
         attempt leaves none, and the next run starts the stage again or continues it from its
-        checkpoints."""
+        checkpoints. Once :meth:`finish` has written the manifest the stage has finished: an
+        exception after it (Ctrl-C while the store is updated) records no failure, and the
+        store is marked done once more (or by the next :meth:`finished`)."""
         with self._attempt_lock():
             if refuse_unfinished:
                 self.check_rerun(resume=resume, force=force)
@@ -278,7 +301,12 @@ class StageDir:
             try:
                 yield
             except BaseException as exc:
-                self.fail(str(exc))
+                if self._finished_summary is None:
+                    self.fail(str(exc))
+                elif self.store is not None:
+                    with contextlib.suppress(Exception):  # the exception that stopped it goes on
+                        self.store.set_stage(self.run_id, self.stage, "done",
+                                             summary=self._finished_summary)
                 raise
 
     @contextlib.contextmanager

@@ -208,6 +208,59 @@ def test_a_stage_that_raises_leaves_no_manifest_and_records_the_failure(tmp_path
     assert store.stages("exp")[0]["status"] == "done"
 
 
+def _interrupt_done(monkeypatch, store, times: int) -> list[str]:
+    """Make the store's first ``times`` updates to "done" raise KeyboardInterrupt (Ctrl-C
+    between writing the manifest and updating the store); returns the statuses asked for."""
+    real, asked = store.set_stage, []
+
+    def set_stage(run_id, stage, status, **kw):
+        asked.append(status)
+        if status == "done" and asked.count("done") <= times:
+            raise KeyboardInterrupt
+        return real(run_id, stage, status, **kw)
+
+    monkeypatch.setattr(store, "set_stage", set_stage)
+    return asked
+
+
+def test_ctrl_c_after_the_manifest_does_not_mark_a_finished_stage_failed(tmp_path, monkeypatch):
+    # It left a complete manifest (the stage is skipped from then on) and the store saying
+    # "failed" for ever.
+    store = Store(tmp_path / "s.duckdb")
+    sd = stage_dir(load_recipe(), "sft", "exp", runs_dir=tmp_path / "runs", store=store)
+    asked = _interrupt_done(monkeypatch, store, times=1)
+    with pytest.raises(KeyboardInterrupt), sd.running():
+        sd.finish(SFT_OUTPUTS, {"steps": 3})
+    assert "failed" not in asked and sd.is_complete()
+    (row,) = store.stages("exp")
+    assert row["status"] == "done" and row["summary"] == {"steps": 3}
+    assert sd.finished().summary == {"steps": 3}  # skipped, nothing lost
+
+
+def test_a_store_left_behind_its_manifest_is_marked_done_by_the_next_command(tmp_path,
+                                                                             monkeypatch):
+    # Both updates interrupted (or a crash, or the old code's "failed"): the next command that
+    # asks whether the stage finished makes the store agree with the manifest.
+    store = Store(tmp_path / "s.duckdb")
+    sd = stage_dir(load_recipe(), "sft", "exp", runs_dir=tmp_path / "runs", store=store)
+    _interrupt_done(monkeypatch, store, times=2)
+    with pytest.raises(KeyboardInterrupt), sd.running():
+        sd.finish(SFT_OUTPUTS, {"steps": 3})
+    assert store.stages("exp")[0]["status"] == "running"
+    monkeypatch.undo()
+    again = stage_dir(load_recipe(), "sft", "exp", runs_dir=tmp_path / "runs", store=store)
+    assert again.finished().summary == {"steps": 3}
+    (row,) = store.stages("exp")
+    assert row["status"] == "done" and row["summary"] == {"steps": 3}
+    assert row["run_dir"] == str(sd.path)
+    store.set_stage("exp", "sft", "failed", summary={"error": ""})
+    assert again.finished() is not None and store.stages("exp")[0]["status"] == "done"
+    other = Store(tmp_path / "other.duckdb")  # a store that never saw the run is left alone
+    assert stage_dir(load_recipe(), "sft", "exp", runs_dir=tmp_path / "runs",
+                     store=other).finished() is not None
+    assert other.stages("exp") == []
+
+
 def test_a_finished_stage_is_skipped_unless_redone(tmp_path):
     sd = stage_dir(load_recipe(), "sft", "exp", runs_dir=tmp_path)
     assert sd.finished() is None
