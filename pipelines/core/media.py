@@ -54,15 +54,55 @@ _cache_lock = threading.Lock()
 def to_rgb(image: Any) -> Any:
     """An RGB copy of a PIL image as Qwen-VL's own preprocessing (``qwen_vl_utils.to_rgb``) makes
     it: transparent pixels on white. ``convert("RGB")`` keeps the colour under the transparency,
-    usually black, so a diagram drawn on a transparent background came out black."""
+    usually black, so a diagram drawn on a transparent background came out black. A greyscale
+    image of more than 8 bits (a 16-bit PNG) is scaled to 8 bits first (:func:`grey_to_8bit`):
+    ``convert("RGB")`` clips its values at 255, so a 16-bit image came out nearly all white.
+
+    The sandbox builds ``image_clue_N`` with its own copy of this (``open_image`` in
+    ``pipelines/agent/sandbox/_zygote.py``, which imports nothing from the project): the two
+    must match, so that the code sees the pixels the model was shown
+    (``tests/pipelines/core/test_media.py`` checks that they do)."""
     from PIL import Image
 
+    if image.mode in ("I", "F") or image.mode.startswith("I;16"):
+        return grey_to_8bit(image).convert("RGB")
     if image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in image.info:
         rgba = image.convert("RGBA")
         out = Image.new("RGB", rgba.size, (255, 255, 255))
         out.paste(rgba, mask=rgba.getchannel("A"))
         return out
     return image.convert("RGB")
+
+
+def grey_to_8bit(image: Any) -> Any:
+    """An "L" copy of a greyscale PIL image of more than 8 bits (modes "I;16*", "I", "F").
+
+    - "I;16" (16-bit PNG/TIFF) and "I" (32-bit, taken to hold 16-bit values as Pillow's readers
+      of 16-bit greyscale give them; clipped to 0..65535): ``v >> 8``, i.e. floor(v / 256).
+      Every 8-bit level gets exactly 256 of the 16-bit values, 65535 is 255, and a 16-bit image
+      made from an 8-bit one (``v * 257`` or ``v << 8``) gives back exactly its 8-bit values.
+    - "F": values in [0, 1] (every finite one) are read as a 0..1 scale, ``round(v * 255)``;
+      otherwise as Pillow's own 0..255 scale (the one ``convert("F")`` of an "L" image gives),
+      converted as Pillow converts it (clipped). NaN is 0, +inf the top, -inf 0.
+    - A ``transparency`` key (a 16-bit grey value) is put on white, as :func:`to_rgb` does.
+
+    Must match ``grey_to_8bit`` in ``pipelines/agent/sandbox/_zygote.py``."""
+    import numpy as np
+    from PIL import Image
+
+    a = np.asarray(image)
+    if image.mode == "F":
+        finite = a[np.isfinite(a)]
+        if finite.size and finite.min() >= 0.0 and finite.max() <= 1.0:
+            unit = np.nan_to_num(a.astype(np.float64), nan=0.0, posinf=1.0, neginf=0.0)
+            return Image.fromarray(np.rint(unit * 255.0).astype(np.uint8))
+        return Image.fromarray(np.nan_to_num(a, nan=0.0).astype(np.float32)).convert("L")
+    wide = np.clip(a.astype(np.int64), 0, 65535)
+    out = (wide >> 8).astype(np.uint8)
+    key = image.info.get("transparency")
+    if isinstance(key, int) and not isinstance(key, bool):
+        out[a == key] = 255
+    return Image.fromarray(out)
 
 
 def thumbnail(image: Any, max_side: int) -> MediaBlob:

@@ -43,6 +43,7 @@ import time
 import traceback
 import weakref
 from collections.abc import Callable
+from typing import Any
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWUTS = 0x04000000
@@ -585,6 +586,44 @@ def tasks_of_user(uid: int) -> int:
 
 
 # -- the runtime the model's code sees ----------------------------------------------------------
+
+
+def open_image(blob: bytes, Image: Any, np: Any) -> Any:
+    """``image_clue_N`` from an image file's bytes: the pixels the model was shown in its context
+    (``pipelines.core.media.to_rgb``, which this copies: the zygote imports nothing from the
+    project; the two must match, as ``tests/pipelines/core/test_media.py`` checks). An "RGB" or
+    "L" image is kept as it is; transparent pixels go on white; a greyscale image of more than
+    8 bits is scaled to 8 (:func:`grey_to_8bit`); anything else is converted to "RGB"."""
+    img = Image.open(io.BytesIO(blob))
+    img.load()
+    if img.mode in ("I", "F") or img.mode.startswith("I;16"):
+        return grey_to_8bit(img, Image, np).convert("RGB")
+    if img.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in img.info:
+        rgba = img.convert("RGBA")
+        img = Image.new("RGB", rgba.size, (255, 255, 255))
+        img.paste(rgba, mask=rgba.getchannel("A"))
+    elif img.mode not in ("RGB", "L"):
+        img = img.convert("RGB")
+    return img
+
+
+def grey_to_8bit(image: Any, Image: Any, np: Any) -> Any:
+    """``pipelines.core.media.grey_to_8bit``, copied (the two must match; see there for the
+    scaling): "I;16"/"I" ``v >> 8`` (clipped to 0..65535), "F" in [0, 1] ``round(v * 255)``,
+    else Pillow's 0..255 scale, a transparency key on white."""
+    a = np.asarray(image)
+    if image.mode == "F":
+        finite = a[np.isfinite(a)]
+        if finite.size and finite.min() >= 0.0 and finite.max() <= 1.0:
+            unit = np.nan_to_num(a.astype(np.float64), nan=0.0, posinf=1.0, neginf=0.0)
+            return Image.fromarray(np.rint(unit * 255.0).astype(np.uint8))
+        return Image.fromarray(np.nan_to_num(a, nan=0.0).astype(np.float32)).convert("L")
+    wide = np.clip(a.astype(np.int64), 0, 65535)
+    out = (wide >> 8).astype(np.uint8)
+    key = image.info.get("transparency")
+    if isinstance(key, int) and not isinstance(key, bool):
+        out[a == key] = 255
+    return Image.fromarray(out)
 
 
 def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = 3136,
@@ -1574,16 +1613,7 @@ def worker_main(sock: socket.socket, limits: dict, preloaded: dict, mode: str, w
         if spec["kind"] == "image_raw":
             runtime.globals[spec["name"]] = Image.frombytes(spec["mode"], tuple(spec["size"]), blob)
         elif spec["kind"] == "image":
-            img = Image.open(io.BytesIO(blob))
-            img.load()
-            if img.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in img.info:
-                # Transparent pixels on white, as in the context image (core.media.to_rgb).
-                rgba = img.convert("RGBA")
-                img = Image.new("RGB", rgba.size, (255, 255, 255))
-                img.paste(rgba, mask=rgba.getchannel("A"))
-            elif img.mode not in ("RGB", "L"):
-                img = img.convert("RGB")
-            runtime.globals[spec["name"]] = img
+            runtime.globals[spec["name"]] = open_image(blob, Image, preloaded["np"])
         else:
             path = os.path.join(workdir, f"{spec['name']}{spec.get('suffix', '.mp4')}")
             with open(path, "wb") as fh:

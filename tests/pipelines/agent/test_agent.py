@@ -298,6 +298,32 @@ def test_transparent_images_are_on_white_everywhere_the_model_looks(tmp_path, mo
     assert min(corner) > 240 and max(centre) < 15
 
 
+def test_a_16_bit_image_is_scaled_everywhere_the_model_looks(tmp_path):
+    """A 16-bit greyscale PNG (a gradient over every value) is scaled to 8 bits in the context
+    image, the sandbox's image_clue_0 and the thumbnail; ``convert("RGB")`` clipped it to
+    nearly all white in all three."""
+    import io
+
+    import numpy as np
+
+    from pipelines.agent.sandbox import Sandbox
+    from pipelines.core.media import thumbnail_file
+
+    Image.fromarray(np.arange(65536, dtype=np.uint16).reshape(256, 256)).save(tmp_path / "g.png")
+    task = Task(id="g", data_source="synth/image-search", question="How bright?",
+                images=["g.png"], answer="half", answer_type="text")
+    messages, _info, media = build_initial_messages(task, tmp_path, "image", AgentConfig())
+    (context,) = [p["image"] for p in messages[0]["content"] if p.get("type") == "image"]
+    assert context.mode == "RGB" and abs(np.asarray(context).mean() - 127.5) < 1
+    with Sandbox(SandboxConfig(timeout_s=10), images=media["images"]) as sbx:
+        result = sbx.run("import numpy as np\na = np.asarray(image_clue_0)\n"
+                         "print(image_clue_0.mode, a[0, 0, 0], a[128, 0, 0], a[255, 255, 0], "
+                         "a.mean())")
+    assert result.stdout.strip() == "RGB 0 128 255 127.5", result
+    with Image.open(io.BytesIO(thumbnail_file(tmp_path / "g.png", 256).data)) as thumb:
+        assert abs(np.asarray(thumb.convert("RGB")).mean() - 127.5) < 2
+
+
 @pytest.mark.parametrize("h,w", [(200, 300), (1, 5000), (4000, 3000), (28, 28), (37, 1111)])
 def test_smart_resize_matches_qwen_vl_utils(h, w):
     from qwen_vl_utils import smart_resize as reference
