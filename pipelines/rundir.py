@@ -270,11 +270,13 @@ class StageDir:
         A store that still says this finished stage is running or failed (the command was
         stopped between writing the manifest and updating the store) is marked done, with the
         manifest's summary: the two agree again. A store with no row for the stage is left
-        alone (a store other than the run's)."""
+        alone (a store other than the run's), and so is a stage that another command is running
+        now (its lock is held: a forced rerun keeps the old manifest until it finishes)."""
         if redo or not self.is_complete():
             return None
         manifest = self.manifest()
-        if self.store is not None and not getattr(self.store, "read_only", False):
+        if (self.store is not None and not getattr(self.store, "read_only", False)
+                and not self._lock_held()):
             row = next((r for r in self.store.stages(self.run_id) if r["stage"] == self.stage),
                        None)
             if row is not None and row["status"] != "done":
@@ -308,6 +310,23 @@ class StageDir:
                         self.store.set_stage(self.run_id, self.stage, "done",
                                              summary=self._finished_summary)
                 raise
+
+    def _lock_held(self) -> bool:
+        """Whether a command (this process's included) holds this stage's lock now."""
+        import fcntl
+        import os
+
+        try:
+            fd = os.open(self.run_path / f".{self.stage}.lock", os.O_RDONLY)
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)  # closing the descriptor lets go of the shared lock it took
+        return False
 
     @contextlib.contextmanager
     def _attempt_lock(self) -> Iterator[None]:

@@ -261,6 +261,22 @@ def test_a_store_left_behind_its_manifest_is_marked_done_by_the_next_command(tmp
     assert other.stages("exp") == []
 
 
+def test_a_stage_being_rerun_keeps_its_store_row_while_another_command_asks(tmp_path):
+    # A forced rerun keeps the old manifest until it finishes; a second command asking meanwhile
+    # must not mark the running attempt done.
+    store = Store(tmp_path / "s.duckdb")
+    sd = stage_dir(load_recipe(), "sft", "exp", runs_dir=tmp_path / "runs", store=store)
+    with sd.running():
+        sd.finish(SFT_OUTPUTS, {"steps": 3})
+    with sd.running(force=True, resume=True):
+        assert sd.is_complete() and store.stages("exp")[0]["status"] == "running"
+        other = stage_dir(load_recipe(), "sft", "exp", runs_dir=tmp_path / "runs", store=store)
+        assert other.finished() is not None
+        assert store.stages("exp")[0]["status"] == "running"
+        sd.finish(SFT_OUTPUTS, {"steps": 4})
+    assert sd.finished().summary == {"steps": 4} and store.stages("exp")[0]["status"] == "done"
+
+
 def test_a_finished_stage_is_skipped_unless_redone(tmp_path):
     sd = stage_dir(load_recipe(), "sft", "exp", runs_dir=tmp_path)
     assert sd.finished() is None
