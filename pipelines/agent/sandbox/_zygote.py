@@ -406,6 +406,31 @@ SECCOMP_RULES = {
 # Refused too in rlimit mode, where a process group is all that ends a sandbox's processes:
 # setpgid and setsid, so that nothing the code starts can leave the group the zygote kills.
 SECCOMP_GROUP_CALLS = {"x86_64": (109, 112), "aarch64": (154, 157)}
+# Refused too in rlimit mode, where the code runs as the user's uid and Landlock (which mediates
+# opening, creating, removing and truncating files, not their metadata) is all that confines its
+# files: the calls that change a file's mode, owner, times or extended attributes, which else
+# work on any file of the user's, outside the sandbox's folder too (a private key made
+# world-readable, a file's times reset). By path or descriptor, old and new forms alike:
+# chmod fchmod fchmodat fchmodat2, chown fchown lchown fchownat, utime utimes futimesat
+# utimensat, setxattr lsetxattr fsetxattr setxattrat, removexattr lremovexattr fremovexattr
+# removexattrat, and file_setattr (an inode's fsxattr flags). aarch64 has no chmod, chown, lchown,
+# utime, utimes or futimesat: its C library makes them of the *at calls. Numbers from the
+# kernel's arch/x86/entry/syscalls/syscall_64.tbl and scripts/syscall.tbl (asm-generic, aarch64);
+# those from 452 on (Linux 6.6 to 6.17) are the same on both, and refusing one a kernel lacks
+# changes nothing (EPERM instead of ENOSYS).
+# This refuses them in the code's own folder too: files the code writes (``open``, PIL's and
+# numpy's ``save``, ``savefig``) are unaffected, as are ``os.mkdir``'s and ``os.open``'s modes and
+# ``shutil.copyfile``, but ``shutil.copy`` (``copymode``), ``shutil.copy2`` and ``copystat``
+# (``utime``), ``os.chmod``, ``os.utime``, ``Path.touch`` of an existing file and
+# ``tarfile.extractall`` of a member's mode or time raise PermissionError. That is accepted:
+# the code has no need to set a mode or a time in its throwaway folder, and copying is
+# ``copyfile``. Not in bubblewrap mode, where every host file is a read-only bind (EROFS) not
+# owned by the sandbox's uid, and only the sandbox's own tmpfs is writable.
+SECCOMP_FILE_META_CALLS = {
+    "x86_64": (90, 91, 268, 452, 92, 93, 94, 260, 132, 235, 261, 280,
+               188, 189, 190, 463, 197, 198, 199, 466, 469),
+    "aarch64": (52, 53, 452, 55, 54, 88, 5, 6, 7, 463, 14, 15, 16, 466, 469),
+}
 _X32_BIT = 0x40000000  # x86_64's x32 ABI: the same calls by other numbers; Python never uses it
 _AF_UNIX = 1
 
@@ -434,11 +459,12 @@ def seccomp_program(arch: int, denied: tuple[int, ...], socket_nr: int,
     return [*prog, (ret, 0, 0, SECCOMP_RET_ALLOW), (ret, 0, 0, deny)]
 
 
-def install_seccomp_filter(keep_group: bool = False) -> bool:
+def install_seccomp_filter(keep_group: bool = False, keep_file_meta: bool = False) -> bool:
     """Install the seccomp filter of ``SECCOMP_RULES`` (with ``keep_group``, refusing
-    ``SECCOMP_GROUP_CALLS`` too) for this process and the threads and processes it starts after;
-    False where it cannot (another architecture, a kernel without seccomp), and the limits stay
-    the rlimits (and in strict mode the namespaces) alone."""
+    ``SECCOMP_GROUP_CALLS`` too, with ``keep_file_meta`` ``SECCOMP_FILE_META_CALLS``) for this
+    process and the threads and processes it starts after; False where it cannot (another
+    architecture, a kernel without seccomp), and the limits stay the rlimits (and in strict mode
+    the namespaces) alone."""
     import platform
 
     known = SECCOMP_RULES.get(platform.machine())
@@ -447,6 +473,8 @@ def install_seccomp_filter(keep_group: bool = False) -> bool:
     arch, denied, socket_nr, prctl_nr = known
     if keep_group:
         denied += SECCOMP_GROUP_CALLS[platform.machine()]
+    if keep_file_meta:
+        denied += SECCOMP_FILE_META_CALLS[platform.machine()]
     program = seccomp_program(arch, denied, socket_nr, prctl_nr)
     filters = (_SockFilter * len(program))(*(_SockFilter(*ins) for ins in program))
     fprog = _SockFprog(len(program), filters)
@@ -1734,8 +1762,9 @@ def spawn(conn_fd: int, limits: dict, preloaded: dict, mode: str, control_fd: in
             output_fd = os.memfd_create("pyvision-output", os.MFD_CLOEXEC)
             os.ftruncate(output_fd, output_buffer_size(int(limits["max_output_chars"])))
             apply_rlimits(limits, mode)
-            # After the output buffer's memfd, before any thread.
-            install_seccomp_filter(keep_group=mode != "strict")
+            # After the output buffer's memfd, before any thread; after the folder is made
+            # (nothing from here on sets a mode, an owner or a time).
+            install_seccomp_filter(keep_group=mode != "strict", keep_file_meta=mode != "strict")
             libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
             setup_fd = os.dup(2)
             try:
@@ -1861,7 +1890,8 @@ def remove_tree(root: str) -> None:
     """Remove the folder ``root`` and everything in it as far as its owner may, never raising.
 
     A sandbox's folder holds what its code left, once the code is gone: a folder it made
-    unreadable or unwritable (``os.chmod(d, 0)``), which the owner cannot list or empty (root
+    unreadable or unwritable (``os.mkdir(d, 0)``; ``os.chmod`` where no seccomp filter refuses
+    it), which the owner cannot list or empty (root
     can), is given back the owner's rwx and its removal retried, once a path. Nothing outside
     ``root`` is touched: symbolic links are removed, never followed, chmodded or descended into,
     and no folder above ``root`` changes."""

@@ -35,14 +35,15 @@ What is not isolated
   anything it can draw.
 
 Without bubblewrap (``isolation: rlimit``, or ``auto`` when bwrap is missing or cannot create
-namespaces) the rlimits, the seccomp filter (so no network, and no setsid or setpgid), a kill of
-the process group that holds every process the code starts, and a working folder of its own apply,
-and where the kernel has Landlock (5.13+, no privilege needed) each worker is confined with it: it
-may read only the runtime (``_zygote.readable_paths``: the interpreter, its site folders and the
-host's import roots, never another folder on its import path such as an editable install's
-checkout, the system's libraries) and write only its own folder, and with Landlock ABI 6 it can
-signal no process outside the sandbox and reach no abstract Unix socket outside. A loud warning
-says which applies. The mode is still weaker than bubblewrap: the code
+namespaces) the rlimits, the seccomp filter (so no network, no setsid or setpgid, and no change
+to any file's mode, owner, times or extended attributes), a kill of the process group that holds
+every process the code starts, and a working folder of its own apply, and where the kernel has
+Landlock (5.13+, no privilege needed) each worker is confined with it: it may read only the
+runtime (``_zygote.readable_paths``: the interpreter, its site folders and the host's import
+roots, never another folder on its import path such as an editable install's checkout, the
+system's libraries) and write only its own folder, and with Landlock ABI 6 it can signal no
+process outside the sandbox and reach no abstract Unix socket outside. A loud warning says which
+applies. The mode is still weaker than bubblewrap: the code
 runs as the user's uid in the host's namespaces, so it can connect to a Unix socket a local
 service left open to that user (Landlock does not mediate ``connect``); without Landlock it is
 **no security boundary** at all (the code can read and write the user's files, and through

@@ -212,7 +212,7 @@ class Zygote:
                 self.proc.kill()
             self.proc = None
         if self.tmp_base:
-            remove_tree(self.tmp_base)  # (the sandboxes' folders, which the code could chmod)
+            remove_tree(self.tmp_base)  # (the sandboxes' folders, which the code could lock)
             self.tmp_base = None
 
 

@@ -287,7 +287,8 @@ def test_an_rlimit_sandbox_s_folder_is_removed_when_it_ends(tmp_path):
     """An rlimit-mode worker's own folder (what the code wrote, a video task's copy of its
     video) is removed when its sandbox ends, a crashed worker's at once: not at the host's exit,
     which let a long evaluation fill /tmp. Links the code left there are not followed, folders
-    it locked (mode 0: see the next test, for a host not run as root) are removed too."""
+    it locked (made without read or write: chmod is refused, mkdir's mode is not; see the next
+    test, for a host not run as root) are removed too."""
     from pipelines.agent.sandbox import isolation
 
     def gone(path: str) -> bool:
@@ -302,9 +303,9 @@ def test_an_rlimit_sandbox_s_folder_is_removed_when_it_ends(tmp_path):
     isolation._warned_rlimit = True  # the rlimit warning has its own test
     with Sandbox(SandboxConfig(timeout_s=5, isolation="rlimit")) as s:
         first = _ok(s.run("import os\nopen('data.bin', 'wb').write(bytes(1000))\n"
-                          f"os.symlink({str(kept)!r}, 'link')\nos.makedirs('locked/in')\n"
-                          "open('locked/in/f', 'w').write('x')\nos.chmod('locked/in', 0)\n"
-                          "os.chmod('locked', 0)\nprint(os.getcwd())")).strip()
+                          f"os.symlink({str(kept)!r}, 'link')\nos.mkdir('locked', 0o300)\n"
+                          "os.mkdir('locked/in', 0o300)\nopen('locked/in/f', 'w').write('x')\n"
+                          "os.mkdir('locked/none', 0)\nprint(os.getcwd())")).strip()
         assert os.path.isfile(os.path.join(first, "data.bin"))
         assert s.run("import os\nos._exit(3)").status == "crashed"
         second = _ok(s.run("import os\nprint(os.getcwd())")).splitlines()[-1]  # restarted
@@ -339,12 +340,13 @@ def _as_nobody(fn) -> None:
 
 
 def test_a_sandbox_s_folder_the_code_locked_is_removed_without_following_its_links():
-    """Code in an rlimit sandbox may chmod folders in its own folder (or that folder itself) to
-    0, 0o500 (no removing what is in it) or 0o600 (no reaching it): its owner (the host's user,
-    root aside) then could not list or empty them, and the folder, with any copy of a video,
-    stayed behind. ``remove_tree`` gives folders inside back their owner's rwx and removes them;
-    the links the code planted there, to a host file and a host folder, are removed without the
-    mode of what they point to changing."""
+    """Code in an rlimit sandbox may make folders in its own folder with mode 0, 0o500 (no
+    removing what is in it) or 0o600 (no reaching it), by mkdir's mode (the seccomp filter
+    refuses chmod, where there is one) or chmod (where not, also of its folder itself): its
+    owner (the host's user, root aside) then could not list or empty them, and the folder, with
+    any copy of a video, stayed behind. ``remove_tree`` gives folders inside back their owner's
+    rwx and removes them; the links the code planted there, to a host file and a host folder,
+    are removed without the mode of what they point to changing."""
     import shutil
     import tempfile
 
@@ -673,6 +675,56 @@ def test_rlimit_mode_confines_files_and_signals_with_landlock(tmp_path):
     assert not (tmp_path / "new.txt").exists() and not (REPO / "SANDBOX_ESCAPE.txt").exists()
     signal_verdict = 1 if abi >= 6 else "signalled"  # EPERM with scoped signals
     assert out.strip() == str([13] * 5 + [13, 13, "ok", "7", signal_verdict])
+
+
+def test_rlimit_mode_refuses_changing_a_file_s_mode_owner_times_and_xattrs(tmp_path):
+    """Landlock does not mediate a file's metadata: in rlimit mode (the user's uid) the code could
+    chmod, chown, utime and setxattr any of the user's files, outside its folder too (make a
+    private key world-readable). The seccomp filter refuses those calls with EPERM; what the code
+    writes in its own folder (a file, a saved figure, ``shutil.copyfile``) still works, and
+    ``shutil.copy``, which copies the mode too, is refused (see ``SECCOMP_FILE_META_CALLS``)."""
+    import platform
+
+    from pipelines.agent.sandbox import isolation
+    from pipelines.agent.sandbox._zygote import SECCOMP_RULES
+
+    if platform.machine() not in SECCOMP_RULES:
+        pytest.skip("no filter for this architecture")
+    key = tmp_path / "id_rsa"
+    key.write_text("private")
+    key.chmod(0o600)
+    os.utime(key, ns=(1_000_000_000, 1_000_000_000))
+    with contextlib.suppress(OSError):  # (a file system without user xattrs: none to remove)
+        os.setxattr(key, "user.kept", b"host")
+    before = key.stat()
+    xattrs = {name: os.getxattr(key, name) for name in os.listxattr(key)}
+    calls = {"chmod": "os.chmod(P, 0o777)", "utime": "os.utime(P, (0, 0))",
+             "chown": "os.chown(P, os.getuid(), os.getgid())",
+             "setxattr": "os.setxattr(P, 'user.planted', b'x')",
+             "removexattr": "os.removexattr(P, 'user.kept')",
+             "fchmod": "os.fchmod(os.open('mine.txt', os.O_RDONLY), 0o777)",
+             "copy": "shutil.copy('mine.txt', 'copy.txt')"}
+    code = (f"import os, shutil\nimport matplotlib.pyplot as plt\nP = {str(key)!r}\nres = []\n"
+            "open('mine.txt', 'w').write('ok')\n"
+            + "".join(f"try:\n    {call}\n    res.append('{name} done')\n"
+                      f"except PermissionError:\n    res.append('{name} refused')\n"
+                      f"except OSError as e:\n    res.append('{name} ' + str(e.errno))\n"
+                      for name, call in calls.items())
+            + "shutil.copyfile('mine.txt', 'copied.txt')\n"
+            "res.append(open('mine.txt').read() + open('copied.txt').read())\n"
+            "plt.figure()\nplt.plot([0, 1])\nplt.savefig('fig.png')\nplt.close('all')\n"
+            "res.append(open('fig.png', 'rb').read(4) == b'\\x89PNG')\nprint(res)\n"
+            "print(os.getcwd())")
+    isolation._warned_rlimit = True  # the rlimit warning has its own test
+    with Sandbox(SandboxConfig(isolation="rlimit", timeout_s=20)) as s:
+        printed, workdir = _ok(s.run(code)).strip().splitlines()[-2:]
+        assert printed == str([f"{name} refused" for name in calls] + ["okok", True])
+        assert (Path(workdir) / "fig.png").stat().st_size > 0
+    after = key.stat()
+    assert (after.st_mode, after.st_uid, after.st_gid, after.st_mtime_ns, after.st_atime_ns) == (
+        before.st_mode, before.st_uid, before.st_gid, before.st_mtime_ns, before.st_atime_ns)
+    assert {name: os.getxattr(key, name) for name in os.listxattr(key)} == xattrs
+    assert key.read_text() == "private"
 
 
 def test_landlock_keeps_import_folders_that_are_not_the_runtime_unreadable(tmp_path, monkeypatch):
