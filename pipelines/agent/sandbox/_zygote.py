@@ -390,6 +390,7 @@ class _SockFprog(ctypes.Structure):
 
 PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
 SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO = 0x7FFF0000, 0x00050000
+SECCOMP_RET_KILL_PROCESS = 0x80000000  # Linux 4.14+ (before: the thread alone)
 # What a seccomp filter refuses with EPERM in every mode, per architecture (the audit value
 # seccomp reports, then syscall numbers):
 # - memory that RLIMIT_AS does not count once unmapped: memfd_create and memfd_secret (pages of a
@@ -439,14 +440,23 @@ def seccomp_program(arch: int, denied: tuple[int, ...], socket_nr: int,
                     prctl_nr: int) -> list[tuple[int, int, int, int]]:
     """The classic-BPF program (code, jt, jf, k) that refuses ``denied``, ``socket_nr`` (the
     socket call) for every address family but AF_UNIX and ``prctl_nr`` (prctl) for
-    PR_SET_PDEATHSIG with EPERM on ``arch``, and allows every other call (a call of another
-    architecture too: nothing to compare)."""
+    PR_SET_PDEATHSIG with EPERM on ``arch``, and allows every other call of ``arch``.
+
+    A call made under another architecture kills the process (SECCOMP_RET_KILL_PROCESS): the
+    numbers above are ``arch``'s alone, and an x86_64 kernel with IA32 emulation runs i386 calls
+    (``int 0x80`` from a page below 4 GB, machine code that ctypes and mmap let the code write)
+    under AUDIT_ARCH_I386, with other numbers, so allowing them bypassed every rule (i386 chmod is
+    15). Killing rather than EPERM: no code the sandbox runs makes such a call, and the host reports
+    the killed worker as crashed (SIGSYS). A number with x86_64's x32 bit (0x40000000: an x32
+    call, made under AUDIT_ARCH_X86_64 itself, the same calls by other numbers; no aarch64 call
+    has such a number) is refused with EPERM."""
     ld_abs, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06
     k = len(denied)
     deny = SECCOMP_RET_ERRNO | 1  # EPERM
-    # Jumps count the instructions skipped: ALLOW is at index k + 10, DENY at k + 11.
+    # Jumps count the instructions skipped: ALLOW is at index k + 11, DENY at k + 12.
     prog = [(ld_abs, 0, 0, 4),  # seccomp_data.arch
-            (jeq, 0, k + 8, arch),  # another architecture: to ALLOW
+            (jeq, 1, 0, arch),  # this architecture: past the KILL
+            (ret, 0, 0, SECCOMP_RET_KILL_PROCESS),  # another architecture (i386 on x86_64)
             (ld_abs, 0, 0, 0),  # seccomp_data.nr
             (jge, k + 7, 0, _X32_BIT)]  # an x32 call: to DENY
     prog += [(jeq, k + 6 - i, 0, nr) for i, nr in enumerate(denied)]

@@ -727,6 +727,120 @@ def test_rlimit_mode_refuses_changing_a_file_s_mode_owner_times_and_xattrs(tmp_p
     assert key.read_text() == "private"
 
 
+def _run_bpf(program: list[tuple[int, int, int, int]], arch: int, nr: int, arg0: int = 0) -> int:
+    """What a classic-BPF seccomp program returns for a call (only the instructions
+    ``seccomp_program`` uses: load a word of seccomp_data, jeq, jge, ret)."""
+    data = {0: nr & 0xFFFFFFFF, 4: arch, 16: arg0 & 0xFFFFFFFF}
+    pc, acc = 0, 0
+    while True:
+        code, jt, jf, k = program[pc]
+        if code == 0x06:
+            return k
+        if code == 0x20:
+            acc, pc = data[k], pc + 1
+            continue
+        assert code in (0x15, 0x35), hex(code)
+        pc += 1 + (jt if (acc == k if code == 0x15 else acc >= k) else jf)
+        assert pc < len(program), "a jump past the program's end"
+
+
+@pytest.mark.parametrize("machine", ["x86_64", "aarch64"])
+def test_seccomp_program_s_jumps_land_where_they_say(machine):
+    """Every jump of the filter lands on the verdict it means, for each rule set: a call of
+    another architecture is killed (i386 on x86_64, whose numbers are not the table's), an x32
+    number refused, as are the denied calls, socket() but for AF_UNIX and prctl(PR_SET_PDEATHSIG);
+    every other call is allowed."""
+    from pipelines.agent.sandbox import _zygote as z
+
+    arch, denied, socket_nr, prctl_nr = z.SECCOMP_RULES[machine]
+    eperm, allow, kill = z.SECCOMP_RET_ERRNO | 1, z.SECCOMP_RET_ALLOW, z.SECCOMP_RET_KILL_PROCESS
+    i386 = 0x40000003  # AUDIT_ARCH_I386
+    group, meta = z.SECCOMP_GROUP_CALLS[machine], z.SECCOMP_FILE_META_CALLS[machine]
+    for extra in ((), group, group + meta):
+        program = z.seccomp_program(arch, denied + extra, socket_nr, prctl_nr)
+        assert all(code != 0x06 or k in (allow, eperm, kill) for code, _, _, k in program)
+
+        def verdict(nr: int, arg0: int = 0, a: int = arch, p: list = program) -> int:
+            return _run_bpf(p, a, nr, arg0)
+
+        for nr in denied + extra:
+            assert verdict(nr) == eperm, nr
+            assert verdict(nr, a=i386) == kill
+        for nr in (0, 1, 39, 63, 500):  # read, write, getpid / uname, ...
+            assert verdict(nr) == allow and verdict(nr, a=i386) == kill
+            assert verdict(nr, a=0) == kill
+        assert verdict(socket_nr, 1) == allow and verdict(socket_nr, 2) == eperm
+        assert verdict(prctl_nr, 15) == allow and verdict(prctl_nr, z.PR_SET_PDEATHSIG) == eperm
+        assert verdict(z._X32_BIT | 39) == eperm and verdict(0xFFFFFFFF) == eperm
+        assert verdict(15, a=i386) == kill  # i386 chmod
+
+
+# Machine code (x86_64) that makes one i386 system call by ``int 0x80`` from a page below 4 GB
+# (MAP_32BIT), where its pointers fit in 32 bits, and returns eax: push rbx; mov eax, NR;
+# mov ebx, A; mov ecx, B; mov edx, C; int 0x80; pop rbx; ret. The string argument is at +2048.
+_I386_CALL = """\
+import ctypes, mmap, struct
+def i386(nr, b=0, c=0, text=b''):
+    m = mmap.mmap(-1, 4096, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x40,
+                  prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(m))
+    assert base < 1 << 32, hex(base)
+    m[2048:2049 + len(text)] = text + b'\\0'
+    code = (b'\\x53\\xb8' + struct.pack('<I', nr) + b'\\xbb' + struct.pack('<I', base + 2048)
+            + b'\\xb9' + struct.pack('<I', b) + b'\\xba' + struct.pack('<I', c)
+            + b'\\xcd\\x80\\x5b\\xc3')
+    m[:len(code)] = code
+    return ctypes.CFUNCTYPE(ctypes.c_int)(base)()
+"""
+
+
+def _ia32_emulation() -> bool:
+    """Whether this machine runs i386 system calls from a 64-bit process (x86_64 with IA32
+    emulation): tried in a plain child process, outside any sandbox."""
+    import platform
+
+    if platform.machine() != "x86_64":
+        return False
+    probe = subprocess.run([sys.executable, "-c", _I386_CALL + "import os\n"
+                            "print(i386(20) == os.getpid())"],  # i386 getpid
+                           capture_output=True, text=True, timeout=30, check=False)
+    return probe.returncode == 0 and probe.stdout == "True\n"
+
+
+@pytest.mark.parametrize("mode", ["rlimit", pytest.param("bwrap", marks=strict)])
+def test_a_system_call_of_another_abi_is_refused(mode, tmp_path):
+    """On x86_64 the filter's numbers are x86_64's: an i386 call (``int 0x80``, machine code that
+    ctypes and mmap let the code write) has its own numbers and was allowed, and bypassed every
+    rule (i386 chmod made a host file 0777 where ``os.chmod`` was refused). It now kills the
+    worker (crashed, what it printed before kept), and the next call runs in a fresh one. An x32
+    number (x86_64's 0x40000000 bit, the same calls by other numbers) is refused with EPERM,
+    not ENOSYS (a kernel without x32) or done. rlimit mode: chmod of a host file (refused there
+    by its x86_64 numbers); bubblewrap mode, which sees no host file: memfd_create, refused in
+    every mode."""
+    from pipelines.agent.sandbox import isolation
+
+    if not _ia32_emulation():
+        pytest.skip("not x86_64, or a kernel without IA32 emulation: no i386 system call to make")
+    key = tmp_path / "id_rsa"
+    key.write_text("private")
+    key.chmod(0o600)
+    if mode == "rlimit":  # chmod is 90 on x86_64 and x32, 15 on i386
+        path = str(key).encode()
+        x32, i386 = f"0x40000000 | 90, {path!r}, 0o777", f"15, 0o777, text={path!r}"
+    else:  # memfd_create is 319 on x86_64 and x32, 356 on i386
+        x32, i386 = "0x40000000 | 319, b'm', 0", "356, text=b'm'"
+    isolation._warned_rlimit = True  # the rlimit warning has its own test
+    with Sandbox(SandboxConfig(isolation=mode, timeout_s=20)) as s:
+        result = s.run(_I386_CALL + "libc = ctypes.CDLL(None, use_errno=True)\n"
+                       "libc.syscall.restype = ctypes.c_long\n"
+                       f"print('x32', libc.syscall({x32}), ctypes.get_errno(), flush=True)\n"
+                       f"print('i386', i386({i386}))\n")
+        assert (result.status, result.stdout) == ("crashed", "x32 -1 1\n"), result
+        assert "SIGSYS" in result.stderr, result.stderr
+        assert _ok(s.run("import numpy\nprint(int(numpy.arange(4).sum()))")).endswith("\n6\n")
+    assert key.stat().st_mode & 0o777 == 0o600 and key.read_text() == "private"
+
+
 def test_landlock_keeps_import_folders_that_are_not_the_runtime_unreadable(tmp_path, monkeypatch):
     """A ``.pth`` file (an editable install) can put the checkout, with its secrets, on the
     zygote's import path: rlimit mode's Landlock rules let the code read only what bubblewrap
