@@ -50,20 +50,6 @@ def _options(task: Task) -> dict[str, str]:
     return {chr(65 + i): o for i, o in enumerate(task.options)}
 
 
-def _palette() -> str:
-    """The whole palette as one table, the same text in every task: learnt once, copied never."""
-    return "palette = {" + ", ".join(f'"{c}": {_rgb(c)}' for c in PALETTE) + "}\n"
-
-
-def _letters(task: Task) -> str:
-    """The options' letters and colour names as the question lists them: each name is the word
-    after its letter there, a copy one look back (what induction heads do)."""
-    return "options = {" + ", ".join(f'"{k}": "{o}"' for k, o in _options(task).items()) + "}\n"
-
-
-SOLVER_STYLES = ("table", "consts")
-
-
 def _colour_in(question: str) -> str:
     for name in PALETTE:
         if re.search(rf"\b{name}\b", question):
@@ -97,26 +83,21 @@ CLOSING = [
 NAMES = [("a", "m"), ("arr", "mask")]
 
 
-def _image_steps(task: Task, rng: random.Random, style: str) -> list[Step]:
+def _image_steps(task: Task, rng: random.Random) -> list[Step]:
     fam = task.metadata["family"]
     q = task.question
     a, m = rng.choice(NAMES)
     load = f"{a} = np.asarray(image_clue_0).astype(int)\n"
     if fam == "color":
-        code = load + f"{m} = ({a}.max(-1) - {a}.min(-1)) > 80\nrgb = {a}[{m}].mean(0)\n"
-        if task.answer_type == "choice" and style == "table":
-            code += (_palette() + _letters(task) +
-                     "print(min(options, key=lambda k: np.abs(rgb - palette[options[k]]).sum()))")
-        elif task.answer_type == "choice":
+        if task.answer_type == "choice":
+            consts = _consts(*_options(task).values())
             table = ", ".join(f'"{k}": {c}' for k, c in _options(task).items())
-            code += (f"{_consts(*_options(task).values())}options = {{{table}}}\n"
-                     "print(min(options, key=lambda k: np.abs(rgb - options[k]).sum()))")
-        elif style == "table":
-            code += _palette() + "print(min(palette, key=lambda k: np.abs(rgb - palette[k]).sum()))"
         else:
+            consts = ""
             table = ", ".join(f'"{c}": {_rgb(c)}' for c in PALETTE)
-            code += (f"options = {{{table}}}\n"
-                     "print(min(options, key=lambda k: np.abs(rgb - options[k]).sum()))")
+        code = (load + f"{m} = ({a}.max(-1) - {a}.min(-1)) > 80\nrgb = {a}[{m}].mean(0)\n"
+                f"{consts}options = {{{table}}}\n"
+                "print(min(options, key=lambda k: np.abs(rgb - options[k]).sum()))")
         thought = rng.choice([("Everything but the target is grey, so I take the mean colour of the "
                                "saturated pixels and compare it with the options."),
                               "I find the coloured pixels and match their mean colour."])
@@ -157,7 +138,7 @@ def _image_steps(task: Task, rng: random.Random, style: str) -> list[Step]:
     raise ValueError(f"no solver for image family {fam}")
 
 
-def _video_steps(task: Task, rng: random.Random, style: str) -> list[Step]:
+def _video_steps(task: Task, rng: random.Random) -> list[Step]:
     fam = task.metadata["family"]
     q = task.question
     f, m = rng.choice([("f", "m"), ("frame", "mask")])
@@ -180,13 +161,10 @@ def _video_steps(task: Task, rng: random.Random, style: str) -> list[Step]:
                                "last frames.")])
         return [Step(thought, code)]
     if fam == "order":
-        if style == "table":
-            head, colour = _palette() + _letters(task), "palette[c]"
-        else:
-            table = ", ".join(f'"{k}": {c}' for k, c in _options(task).items())
-            head, colour = f"{_consts(*_options(task).values())}options = {{{table}}}\n", "c"
-        code = (head + "frames = video_clue_0.get_batch(range(len(video_clue_0))).asnumpy().astype(int)\n"
-                f"first = {{k: int(np.argmax([(np.abs(x - {colour}).sum(-1) < 90).sum() > 20 for x in frames])) "
+        table = ", ".join(f'"{k}": {c}' for k, c in _options(task).items())
+        code = (f"{_consts(*_options(task).values())}options = {{{table}}}\n"
+                "frames = video_clue_0.get_batch(range(len(video_clue_0))).asnumpy().astype(int)\n"
+                "first = {k: int(np.argmax([(np.abs(x - c).sum(-1) < 90).sum() > 20 for x in frames])) "
                 "for k, c in options.items()}\nprint(first)\nprint(min(first, key=first.get))")
         thought = rng.choice(["For each option's colour I find the first frame where it is visible.",
                               "I check every frame for each colour and take the earliest."])
@@ -194,20 +172,9 @@ def _video_steps(task: Task, rng: random.Random, style: str) -> list[Step]:
     raise ValueError(f"no solver for video family {fam}")
 
 
-def plan(task: Task, rng: random.Random, style: str = "table") -> SolverPlan:
-    """How a good agent solves ``task`` (one or two looks, then a measurement).
-
-    ``style`` is how code for a multiple-choice colour question names the options' colours:
-    ``table`` (the default) writes the whole palette, always the same text, and then the letters'
-    names as the question lists them (``options = {"A": "purple", ...}``), each copied from right
-    after its letter; ``consts`` writes one constant per option (``purple = (150, 60, 190)``), so
-    the model must recall which colour the question listed next after each RGB triple. The tiny
-    demo model got the third of three such constants wrong in most held-out tasks (a NameError, then
-    a guess), so ``consts`` is kept only for the text that the shipped base's tokenizer was trained
-    on (:func:`pipelines.models.pretrain.tokenizer_corpus`), which must not change."""
-    if style not in SOLVER_STYLES:
-        raise ValueError(f"unknown solver style {style!r}; one of {SOLVER_STYLES}")
-    steps = _video_steps(task, rng, style) if task.video else _image_steps(task, rng, style)
+def plan(task: Task, rng: random.Random) -> SolverPlan:
+    """How a good agent solves ``task`` (one or two looks, then a measurement)."""
+    steps = _video_steps(task, rng) if task.video else _image_steps(task, rng)
     if rng.random() < 0.5 and task.metadata.get("family") != "text":
         steps = [rng.choice(LOOK_VIDEO if task.video else LOOK_IMAGE)] + steps
     # The agent first restates what it is asked, as careful agents do; the words it then needs

@@ -75,8 +75,7 @@ def _solver_texts(seed: int, n: int = 120) -> list[str]:
             for i in range(n):
                 task = make(fams[i % len(fams)], task_rng(kind, 10_000 + seed, "tokenizer", i), i,
                             "tokenizer", root)
-                # The solvers' first style: the text the shipped base's tokenizer was made from.
-                p = plan(task, random.Random(i), style="consts")
+                p = plan(task, random.Random(i))
                 texts.append(task.question + "\n" + "\n".join(render_turn(s) for s in p.steps)
                              + "\n" + render_answer(p))
     return texts
