@@ -9,6 +9,7 @@ import io
 from pathlib import Path
 from typing import Any
 
+from pipelines.core.media import to_rgb
 from pipelines.errors import DataError
 
 # Bounds on a shown image coming back: the bytes of its frame, its pixels.
@@ -26,7 +27,8 @@ def image_media(name: str, value: Any) -> tuple[dict, bytes]:
     from PIL import Image
 
     if isinstance(value, Image.Image):
-        img = value if value.mode in ("RGB", "RGBA", "L") else value.convert("RGB")
+        # Other modes as a task image file is converted (16-bit greyscale scaled, not clipped).
+        img = value if value.mode in ("RGB", "RGBA", "L") else to_rgb(value)
         return ({"name": name, "kind": "image_raw", "mode": img.mode, "size": list(img.size)},
                 img.tobytes())
     return {"name": name, "kind": "image"}, _image_bytes(name, value)

@@ -1891,3 +1891,21 @@ def test_a_busy_non_root_user_gets_rlimit_sandboxes():
                          check=False, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split()[-1] == "42"
+
+
+def test_an_in_memory_16_bit_image_is_scaled_like_a_file_not_clipped():
+    # Sandbox(images=...) with a PIL image of mode "I;16" converted it with convert("RGB"),
+    # which clips at 255: a 16-bit gradient became nearly all white.
+    import numpy as np
+    from PIL import Image
+
+    wide = np.tile(np.linspace(0, 65535, 256).astype(np.uint16), (16, 1))
+    img = Image.fromarray(wide)
+    assert img.mode.startswith("I;16")
+    with Sandbox(SandboxConfig(timeout_s=20),
+                 images={"image_clue_0": img}) as s:
+        r = s.run("a = np.asarray(image_clue_0)\nprint(a.shape, a[0, :, 0].min(), a[0, :, 0].max(), "
+                  "round(float(a.mean()), 1))")
+    assert r.status == "ok", r.stderr
+    expected = float((wide.astype(np.int64) >> 8).mean())
+    assert r.stdout.split() == ["(16,", "256,", "3)", "0", "255", str(round(expected, 1))]
