@@ -311,13 +311,18 @@ class StageDir:
                                              summary=self._finished_summary)
                 raise
 
+    @property
+    def lock_path(self) -> Path:
+        """The stage's lock file, ``<run>/.<stage>.lock`` (held for one attempt)."""
+        return self.run_path / f".{self.stage}.lock"
+
     def _lock_held(self) -> bool:
         """Whether a command (this process's included) holds this stage's lock now."""
         import fcntl
         import os
 
         try:
-            fd = os.open(self.run_path / f".{self.stage}.lock", os.O_RDONLY)
+            fd = os.open(self.lock_path, os.O_RDONLY)
         except OSError:
             return False
         try:
@@ -338,7 +343,7 @@ class StageDir:
         import os
 
         self.run_path.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.run_path / f".{self.stage}.lock", os.O_RDWR | os.O_CREAT, 0o666)
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o666)
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
