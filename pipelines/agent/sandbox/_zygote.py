@@ -43,7 +43,7 @@ import time
 import traceback
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWUTS = 0x04000000
@@ -391,18 +391,35 @@ class _SockFprog(ctypes.Structure):
 PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
 SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO = 0x7FFF0000, 0x00050000
 SECCOMP_RET_KILL_PROCESS = 0x80000000  # Linux 4.14+ (before: the thread alone)
-# What a seccomp filter refuses with EPERM in every mode, per architecture (the audit value
-# seccomp reports, then syscall numbers):
+
+
+class SyscallNumbers(NamedTuple):
+    """One architecture's audit value (the one seccomp reports), the calls the filter refuses in
+    every mode (``denied``) and those whose arguments it checks or that it refuses in rlimit
+    mode only."""
+
+    arch: int
+    denied: tuple[int, ...]
+    socket: int
+    socketpair: int
+    connect: int
+    prctl: int
+
+
+# What the seccomp filter refuses with EPERM in every mode, per architecture:
 # - memory that RLIMIT_AS does not count once unmapped: memfd_create and memfd_secret (pages of a
 #   file held by a descriptor) and SysV shmget (a segment outlives its mapping);
 # - io_uring_setup: a ring's operations open sockets and files without the system calls below;
-# - socket() for any family but AF_UNIX (the socket library's own, as for the worker's link to
-#   the host): no network, even in rlimit mode, which has no network namespace;
+# - socket() and socketpair() for any family but AF_UNIX (the socket library's own, as for the
+#   worker's link to the host): no network, even in rlimit mode, which has no network namespace
+#   (socketpair makes AF_TIPC sockets too, Linux 4.12+);
 # - prctl(PR_SET_PDEATHSIG): the worker's death signal is what ends it (pid 1 of its namespace,
 #   with every process it started) when the zygote kills its intermediate at a timeout or close.
 SECCOMP_RULES = {
-    "x86_64": (0xC000003E, (319, 447, 29, 425), 41, 157),
-    "aarch64": (0xC00000B7, (279, 447, 194, 425), 198, 167),
+    "x86_64": SyscallNumbers(0xC000003E, (319, 447, 29, 425), socket=41, socketpair=53,
+                             connect=42, prctl=157),
+    "aarch64": SyscallNumbers(0xC00000B7, (279, 447, 194, 425), socket=198, socketpair=199,
+                              connect=203, prctl=167),
 }
 # Refused too in rlimit mode, where a process group is all that ends a sandbox's processes:
 # setpgid and setsid, so that nothing the code starts can leave the group the zygote kills.
@@ -434,13 +451,64 @@ SECCOMP_FILE_META_CALLS = {
 }
 _X32_BIT = 0x40000000  # x86_64's x32 ABI: the same calls by other numbers; Python never uses it
 _AF_UNIX = 1
+_SOCK_TYPE_MASK, _SOCK_STREAM, _SOCK_SEQPACKET = 0xF, 1, 5  # (above: SOCK_NONBLOCK, SOCK_CLOEXEC)
 
 
-def seccomp_program(arch: int, denied: tuple[int, ...], socket_nr: int,
-                    prctl_nr: int) -> list[tuple[int, int, int, int]]:
-    """The classic-BPF program (code, jt, jf, k) that refuses ``denied``, ``socket_nr`` (the
-    socket call) for every address family but AF_UNIX and ``prctl_nr`` (prctl) for
-    PR_SET_PDEATHSIG with EPERM on ``arch``, and allows every other call of ``arch``.
+def _arg(i: int) -> int:
+    """Where the low word of a call's argument ``i`` is in seccomp_data (after nr, arch and the
+    instruction pointer; little-endian, as x86_64 and aarch64 are)."""
+    return 16 + 8 * i
+
+
+# A check of one argument: (where its word is in seccomp_data, a mask to apply to it first or 0,
+# values, whether the call is allowed only with one of them (else: refused with any of them)).
+ArgCheck = tuple[int, int, tuple[int, ...], bool]
+
+
+def seccomp_rules(machine: str, keep_group: bool = False, keep_file_meta: bool = False,
+                  keep_host_sockets: bool = False
+                  ) -> tuple[int, tuple[int, ...], tuple[tuple[int, tuple[ArgCheck, ...]], ...]]:
+    """What the filter checks on ``machine``: its audit value, the calls it refuses and the calls
+    whose arguments it checks. Every mode: ``SECCOMP_RULES``; rlimit mode adds, with
+    ``keep_group``, ``SECCOMP_GROUP_CALLS``, with ``keep_file_meta``, ``SECCOMP_FILE_META_CALLS``,
+    and with ``keep_host_sockets`` socket() for every family,
+    AF_UNIX too, connect(), and socketpair() of a type but SOCK_STREAM and SOCK_SEQPACKET.
+
+    The host's services (an ssh-agent, a D-Bus session bus, docker.sock, /dev/log) listen on
+    Unix sockets that the user's uid, the code's in rlimit mode, may reach, and neither Landlock
+    nor any namespace mediates connecting to one or sending to one. So the code makes no socket
+    of its own there: a stream or seqpacket pair ignores an address given with sendto/sendmsg
+    (or refuses it) and cannot be connected anew, but a datagram pair sends to the address it is
+    given and can be connected to another. What the worker itself needs is unchanged: its link to
+    the host is a stream socket made before the filter (sent and received on, descriptors
+    passed over it). Code that listens on a Unix socket of its own (``multiprocessing.Manager``,
+    Python 3.14's default forkserver) fails there; ``multiprocessing.Pipe`` and ``Pool`` (fork,
+    pipes) and asyncio's loop (a stream pair) work. Not in bubblewrap mode, whose file system and
+    network namespace hold no socket of the host's."""
+    calls = SECCOMP_RULES[machine]
+    denied = calls.denied
+    unix_only: ArgCheck = (_arg(0), 0, (_AF_UNIX,), True)
+    pair: tuple[ArgCheck, ...] = (unix_only,)
+    checked = [(calls.prctl, ((_arg(0), 0, (PR_SET_PDEATHSIG,), False),))]
+    if keep_group:
+        denied += SECCOMP_GROUP_CALLS[machine]
+    if keep_file_meta:
+        denied += SECCOMP_FILE_META_CALLS[machine]
+    if keep_host_sockets:
+        denied += (calls.socket, calls.connect)
+        pair += ((_arg(1), _SOCK_TYPE_MASK, (_SOCK_STREAM, _SOCK_SEQPACKET), True),)
+    else:
+        checked.append((calls.socket, (unix_only,)))
+    checked.append((calls.socketpair, pair))
+    return calls.arch, denied, tuple(checked)
+
+
+def seccomp_program(arch: int, denied: tuple[int, ...],
+                    checked: tuple[tuple[int, tuple[ArgCheck, ...]], ...] = ()
+                    ) -> list[tuple[int, int, int, int]]:
+    """The classic-BPF program (code, jt, jf, k) that refuses ``denied`` with EPERM on ``arch``,
+    and each call of ``checked`` (``(nr, checks)``, see ``seccomp_rules``) whose arguments fail
+    one of its checks, and allows every other call of ``arch``.
 
     A call made under another architecture kills the process (SECCOMP_RET_KILL_PROCESS): the
     numbers above are ``arch``'s alone, and an x86_64 kernel with IA32 emulation runs i386 calls
@@ -449,43 +517,60 @@ def seccomp_program(arch: int, denied: tuple[int, ...], socket_nr: int,
     15). Killing rather than EPERM: no code the sandbox runs makes such a call, and the host reports
     the killed worker as crashed (SIGSYS). A number with x86_64's x32 bit (0x40000000: an x32
     call, made under AUDIT_ARCH_X86_64 itself, the same calls by other numbers; no aarch64 call
-    has such a number) is refused with EPERM."""
-    ld_abs, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06
-    k = len(denied)
-    deny = SECCOMP_RET_ERRNO | 1  # EPERM
-    # Jumps count the instructions skipped: ALLOW is at index k + 11, DENY at k + 12.
-    prog = [(ld_abs, 0, 0, 4),  # seccomp_data.arch
-            (jeq, 1, 0, arch),  # this architecture: past the KILL
-            (ret, 0, 0, SECCOMP_RET_KILL_PROCESS),  # another architecture (i386 on x86_64)
-            (ld_abs, 0, 0, 0),  # seccomp_data.nr
-            (jge, k + 7, 0, _X32_BIT)]  # an x32 call: to DENY
-    prog += [(jeq, k + 6 - i, 0, nr) for i, nr in enumerate(denied)]
-    prog += [(jeq, 0, 2, prctl_nr),  # not prctl(): to the socket() check
-             (ld_abs, 0, 0, 16),  # the low word of args[0], the option (an int)
-             (jeq, 4, 3, PR_SET_PDEATHSIG)]  # PR_SET_PDEATHSIG: to DENY, else to ALLOW
-    prog += [(jeq, 0, 2, socket_nr),  # not socket(): to ALLOW
-             (ld_abs, 0, 0, 16),  # the low word of args[0], the family (an int)
-             (jeq, 0, 1, _AF_UNIX)]  # AF_UNIX: to ALLOW, else to DENY
-    return [*prog, (ret, 0, 0, SECCOMP_RET_ALLOW), (ret, 0, 0, deny)]
+    has such a number) is refused with EPERM.
+
+    Jumps are written to labels and counted at the end (a jump skips that many instructions;
+    each fits in a byte). A checked call's block loads its arguments and ends in its own ALLOW,
+    so a call that skips a block still has its number loaded for the next one."""
+    ld_abs, alu_and, jeq, jge, ret = 0x20, 0x54, 0x15, 0x35, 0x06
+    prog: list[list] = [[ld_abs, 0, 0, 4],  # seccomp_data.arch
+                        [jeq, 1, 0, arch],  # this architecture: past the KILL
+                        [ret, 0, 0, SECCOMP_RET_KILL_PROCESS],  # another (i386 on x86_64)
+                        [ld_abs, 0, 0, 0],  # seccomp_data.nr
+                        [jge, "deny", 0, _X32_BIT]]  # an x32 call
+    prog += [[jeq, "deny", 0, nr] for nr in denied]
+    labels: dict[str, int] = {}
+    for i, (nr, checks) in enumerate(checked):
+        prog.append([jeq, 0, f"call {i + 1}", nr])  # another call: to the next block
+        for j, (where, mask, values, only) in enumerate(checks):
+            passed = f"call {i} check {j + 1}"
+            prog.append([ld_abs, 0, 0, where])
+            if mask:
+                prog.append([alu_and, 0, 0, mask])
+            for n, value in enumerate(values):
+                if not only:  # one of these: DENY, else on
+                    prog.append([jeq, "deny", 0, value])
+                elif n == len(values) - 1:  # none of these: DENY
+                    prog.append([jeq, passed, "deny", value])
+                else:
+                    prog.append([jeq, passed, 0, value])
+            labels[passed] = len(prog)
+        prog.append([ret, 0, 0, SECCOMP_RET_ALLOW])  # every check passed
+        labels[f"call {i + 1}"] = len(prog)
+    prog.append([ret, 0, 0, SECCOMP_RET_ALLOW])  # any other call
+    labels["deny"] = len(prog)
+    prog.append([ret, 0, 0, SECCOMP_RET_ERRNO | 1])  # EPERM
+    for at, ins in enumerate(prog):
+        for field in (1, 2):
+            if isinstance(ins[field], str):
+                ins[field] = labels[ins[field]] - (at + 1)
+                if not 0 <= ins[field] <= 255:
+                    raise ValueError(f"a jump of {ins[field]} at {at} does not fit in a byte")
+    return [tuple(ins) for ins in prog]  # type: ignore[misc]
 
 
-def install_seccomp_filter(keep_group: bool = False, keep_file_meta: bool = False) -> bool:
-    """Install the seccomp filter of ``SECCOMP_RULES`` (with ``keep_group``, refusing
-    ``SECCOMP_GROUP_CALLS`` too, with ``keep_file_meta`` ``SECCOMP_FILE_META_CALLS``) for this
-    process and the threads and processes it starts after; False where it cannot (another
-    architecture, a kernel without seccomp), and the limits stay the rlimits (and in strict mode
-    the namespaces) alone."""
+def install_seccomp_filter(keep_group: bool = False, keep_file_meta: bool = False,
+                           keep_host_sockets: bool = False) -> bool:
+    """Install the seccomp filter of ``seccomp_rules`` (the flags are its own) for this process
+    and the threads and processes it starts after; False where it cannot (another architecture,
+    a kernel without seccomp), and the limits stay the rlimits (and in strict mode the
+    namespaces) alone."""
     import platform
 
-    known = SECCOMP_RULES.get(platform.machine())
-    if known is None:
+    if platform.machine() not in SECCOMP_RULES:
         return False
-    arch, denied, socket_nr, prctl_nr = known
-    if keep_group:
-        denied += SECCOMP_GROUP_CALLS[platform.machine()]
-    if keep_file_meta:
-        denied += SECCOMP_FILE_META_CALLS[platform.machine()]
-    program = seccomp_program(arch, denied, socket_nr, prctl_nr)
+    program = seccomp_program(*seccomp_rules(platform.machine(), keep_group, keep_file_meta,
+                                             keep_host_sockets))
     filters = (_SockFilter * len(program))(*(_SockFilter(*ins) for ins in program))
     fprog = _SockFprog(len(program), filters)
     if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
@@ -1774,7 +1859,9 @@ def spawn(conn_fd: int, limits: dict, preloaded: dict, mode: str, control_fd: in
             apply_rlimits(limits, mode)
             # After the output buffer's memfd, before any thread; after the folder is made
             # (nothing from here on sets a mode, an owner or a time).
-            install_seccomp_filter(keep_group=mode != "strict", keep_file_meta=mode != "strict")
+            rlimit = mode != "strict"
+            install_seccomp_filter(keep_group=rlimit, keep_file_meta=rlimit,
+                                   keep_host_sockets=rlimit)
             libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
             setup_fd = os.dup(2)
             try:

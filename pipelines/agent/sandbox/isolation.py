@@ -15,8 +15,8 @@ What is isolated (``isolation: bwrap``, the default where bubblewrap works)
   started with it (double-forked daemons included); when a call returns, pid 1 ends every
   process the call left running. A seccomp filter refuses ``memfd_create``, ``memfd_secret``
   and ``shmget``, whose memory the address-space limit does not count, ``io_uring_setup``,
-  ``socket`` for every family but ``AF_UNIX``, and ``prctl(PR_SET_PDEATHSIG)`` (the death signal
-  that ends pid 1 when its parent is killed).
+  ``socket`` and ``socketpair`` for every family but ``AF_UNIX``, and ``prctl(PR_SET_PDEATHSIG)``
+  (the death signal that ends pid 1 when its parent is killed).
 - The code shares the worker's process, so it can forge the worker's reply: the host holds every
   reply to the limits itself (field types, output length, header size, the shown images' pixels
   and aspect, the call's deadline) and reads anything else as a crash, never an exception.
@@ -35,21 +35,26 @@ What is not isolated
   anything it can draw.
 
 Without bubblewrap (``isolation: rlimit``, or ``auto`` when bwrap is missing or cannot create
-namespaces) the rlimits, the seccomp filter (so no network, no setsid or setpgid, and no change
-to any file's mode, owner, times or extended attributes), a kill of the process group that holds
-every process the code starts, and a working folder of its own apply, and where the kernel has
+namespaces) the rlimits, the seccomp filter, a kill of the process group that holds every process
+the code starts, and a working folder of its own apply. The filter refuses there, besides the
+calls above: ``setsid`` and ``setpgid``; any change to a file's mode, owner, times or extended
+attributes; and every socket of the code's own: ``socket`` for
+every family, ``AF_UNIX`` too, ``connect``, and ``socketpair`` but of a stream or seqpacket type
+(which reaches no address). So the code reaches no network and no Unix socket a local service
+left open to the user (an ssh-agent, a D-Bus session bus, docker.sock, ``/dev/log``), which
+neither Landlock nor a namespace would keep it from; code that listens on a Unix socket of its
+own (``multiprocessing.Manager``) fails there (``_zygote.seccomp_rules``). Where the kernel has
 Landlock (5.13+, no privilege needed) each worker is confined with it: it may read only the
 runtime (``_zygote.readable_paths``: the interpreter, its site folders and the host's import
 roots, never another folder on its import path such as an editable install's checkout, the
 system's libraries) and write only its own folder, and with Landlock ABI 6 it can signal no
-process outside the sandbox and reach no abstract Unix socket outside. A loud warning says which
-applies. The mode is still weaker than bubblewrap: the code
-runs as the user's uid in the host's namespaces, so it can connect to a Unix socket a local
-service left open to that user (Landlock does not mediate ``connect``); without Landlock it is
+process outside the sandbox. A loud warning says which applies. The mode is still weaker than
+bubblewrap: the code runs as the user's uid in the host's namespaces; without Landlock it is
 **no security boundary** at all (the code can read and write the user's files, and through
-``/proc`` the environment of the user's other processes, and signal them). Its process limit is shared too: for a user other than root the kernel
-counts all of that user's tasks, so a sandbox may start ``max_processes`` beyond those the user
-runs when it starts (``_zygote.process_limit``).
+``/proc`` the environment of the user's other processes, and signal them). Its process limit is
+shared too: for a user other than root the kernel counts all of that user's tasks, so a sandbox
+may start ``max_processes`` beyond those the user runs when it starts
+(``_zygote.process_limit``).
 """
 
 from __future__ import annotations
@@ -138,12 +143,13 @@ def _isolation_mode(cfg: SandboxConfig) -> Literal["bwrap", "rlimit"]:
         if landlock_abi() >= 1:
             msg = (f"SANDBOX ISOLATION IS WEAKER THAN BUBBLEWRAP: {why}, so model-written code "
                    f"runs as your user under rlimits, a system-call filter and Landlock: your "
-                   f"files, the network and (on kernels with Landlock ABI 6) your processes are "
-                   f"out of its reach, but a local Unix socket service is not; {fix}.")
+                   f"files, the network, local Unix socket services and (on kernels with "
+                   f"Landlock ABI 6) your processes are out of its reach, but it shares your "
+                   f"uid and the host's namespaces; {fix}.")
         else:
             msg = (f"SANDBOX IS NOT A SECURITY BOUNDARY: {why}, so model-written code runs with "
                    f"rlimits only and can read your files and signal your processes (no "
-                   f"network: a system-call filter refuses it); {fix}.")
+                   f"network and no Unix socket: a system-call filter refuses them); {fix}.")
         warnings.warn(msg, RuntimeWarning, stacklevel=2)
         from pipelines.console import err
 

@@ -556,7 +556,8 @@ def test_memory_that_the_address_space_limit_misses_is_refused(sbx):
 @pytest.mark.parametrize("mode", ["rlimit", pytest.param("bwrap", marks=strict)])
 def test_no_socket_but_a_unix_one_in_any_mode(mode):
     """rlimit mode has no network namespace: the seccomp filter alone keeps the code off the
-    network there (bubblewrap's namespaces do too). A Unix socket still works, and io_uring,
+    network there (bubblewrap's namespaces do too). A Unix socket still works in bubblewrap mode
+    (in rlimit mode the code makes none, see the next test), a stream pair in both, and io_uring,
     whose rings open sockets without socket(), is refused."""
     import platform
 
@@ -577,11 +578,66 @@ def test_no_socket_but_a_unix_one_in_any_mode(mode):
             "try:\n    socket.create_connection(('127.0.0.1', 80), timeout=1)\n"
             "except OSError as e:\n    res.append(e.errno)\n"
             "a, b = socket.socketpair()\na.sendall(b'x')\nres.append(b.recv(1).decode())\n"
-            "u = socket.socket(socket.AF_UNIX)\nu.close()\nres.append('unix')\n"
+            "try:\n    socket.socket(socket.AF_UNIX).close()\n    res.append('unix')\n"
+            "except OSError as e:\n    res.append(e.errno)\n"
             "libc = ctypes.CDLL(None, use_errno=True)\n"
             f"res.append((libc.syscall({io_uring_setup}, 1, ctypes.create_string_buffer(120)), "
             "ctypes.get_errno()))\nprint(res)"))
-    assert out.strip() == "[1, 1, 1, 1, 1, 'x', 'unix', (-1, 1)]"
+    unix = 1 if mode == "rlimit" else "'unix'"
+    assert out.strip() == f"[1, 1, 1, 1, 1, 'x', {unix}, (-1, 1)]"
+
+
+def test_rlimit_mode_reaches_no_unix_socket_of_the_host(tmp_path):
+    """In rlimit mode the code runs as the user's uid, in the host's file system: a Unix socket
+    a local service leaves open to that user (an ssh-agent, a D-Bus session bus, docker.sock,
+    /dev/log) was one ``connect`` away, and Landlock does not mediate connecting. The code now
+    makes no socket of its own there: socket() (any family), connect() and a datagram pair
+    (which sends to any address it is given) are refused; a stream pair, and with it
+    ``multiprocessing.Pipe`` and asyncio's loop, works, as does the worker's own link (the call
+    returns). The listening sockets here stand for those services."""
+    import platform
+    import socket
+
+    from pipelines.agent.sandbox import isolation
+    from pipelines.agent.sandbox._zygote import SECCOMP_RULES
+
+    if platform.machine() not in SECCOMP_RULES:
+        pytest.skip("no filter for this architecture")
+    stream_path, dgram_path = str(tmp_path / "agent.sock"), str(tmp_path / "log.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server, \
+            socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as log:
+        server.bind(stream_path)
+        server.listen(8)
+        log.bind(dgram_path)
+        os.chmod(stream_path, 0o777)
+        os.chmod(dgram_path, 0o777)
+        attempts = {
+            "connect": f"s = socket.socket(socket.AF_UNIX)\n    s.connect({stream_path!r})",
+            "sendto": f"s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)\n"
+                      f"    s.sendto(b'x', {dgram_path!r})",
+            "dgram pair": f"a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)\n"
+                          f"    a.sendto(b'x', {dgram_path!r})",
+            "connect a pair": f"a, b = socket.socketpair()\n    a.connect({stream_path!r})",
+        }
+        code = ("import asyncio, multiprocessing, socket\nres = []\n"
+                + "".join(f"try:\n    {call}\n    res.append('{name} done')\n"
+                          f"except PermissionError:\n    res.append('{name} refused')\n"
+                          f"except OSError as e:\n    res.append('{name} ' + str(e.errno))\n"
+                          for name, call in attempts.items())
+                + "a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)\n"
+                "a.sendto(b'q', " + repr(dgram_path) + ")\nres.append(b.recv(1).decode())\n"
+                "r, w = multiprocessing.Pipe()\nw.send('pipe')\nres.append(r.recv())\n"
+                "res.append(asyncio.run(asyncio.sleep(0, 'loop')))\nprint(res)")
+        isolation._warned_rlimit = True  # the rlimit warning has its own test
+        with Sandbox(SandboxConfig(isolation="rlimit", timeout_s=20)) as s:
+            out = _ok(s.run(code))
+        server.settimeout(0.5)
+        with pytest.raises(TimeoutError):
+            server.accept()
+        log.settimeout(0.5)
+        with pytest.raises(TimeoutError):
+            log.recv(16)
+    assert out.strip() == str([f"{name} refused" for name in attempts] + ["q", "pipe", "loop"])
 
 
 def _descendants(root: int) -> list[int]:
@@ -727,17 +783,19 @@ def test_rlimit_mode_refuses_changing_a_file_s_mode_owner_times_and_xattrs(tmp_p
     assert key.read_text() == "private"
 
 
-def _run_bpf(program: list[tuple[int, int, int, int]], arch: int, nr: int, arg0: int = 0) -> int:
-    """What a classic-BPF seccomp program returns for a call (only the instructions
-    ``seccomp_program`` uses: load a word of seccomp_data, jeq, jge, ret)."""
-    data = {0: nr & 0xFFFFFFFF, 4: arch, 16: arg0 & 0xFFFFFFFF}
+def _run_bpf(program: list[tuple[int, int, int, int]], arch: int, nr: int, *args: int) -> int:
+    """What a classic-BPF seccomp program returns for a call with ``args`` (only the instructions
+    ``seccomp_program`` uses: load a word of seccomp_data, and a constant, jeq, jge, ret)."""
+    data = {0: nr & 0xFFFFFFFF, 4: arch}
+    data.update({16 + 8 * i: a & 0xFFFFFFFF for i, a in enumerate((*args, 0, 0))})
     pc, acc = 0, 0
     while True:
         code, jt, jf, k = program[pc]
+        assert 0 <= jt <= 255 and 0 <= jf <= 255
         if code == 0x06:
             return k
-        if code == 0x20:
-            acc, pc = data[k], pc + 1
+        if code in (0x20, 0x54):  # ld abs, and k
+            acc, pc = data[k] if code == 0x20 else acc & k, pc + 1
             continue
         assert code in (0x15, 0x35), hex(code)
         pc += 1 + (jt if (acc == k if code == 0x15 else acc >= k) else jf)
@@ -748,31 +806,57 @@ def _run_bpf(program: list[tuple[int, int, int, int]], arch: int, nr: int, arg0:
 def test_seccomp_program_s_jumps_land_where_they_say(machine):
     """Every jump of the filter lands on the verdict it means, for each rule set: a call of
     another architecture is killed (i386 on x86_64, whose numbers are not the table's), an x32
-    number refused, as are the denied calls, socket() but for AF_UNIX and prctl(PR_SET_PDEATHSIG);
-    every other call is allowed."""
+    number refused, as are the denied calls, socket() and socketpair() but for AF_UNIX and
+    prctl(PR_SET_PDEATHSIG); every other call is allowed. rlimit mode's rules, each on its own
+    and together: setsid and setpgid, the file-metadata calls, socket() of every family,
+    connect() and a socketpair() of a datagram type."""
+    import itertools
+
     from pipelines.agent.sandbox import _zygote as z
 
-    arch, denied, socket_nr, prctl_nr = z.SECCOMP_RULES[machine]
+    calls = z.SECCOMP_RULES[machine]
     eperm, allow, kill = z.SECCOMP_RET_ERRNO | 1, z.SECCOMP_RET_ALLOW, z.SECCOMP_RET_KILL_PROCESS
     i386 = 0x40000003  # AUDIT_ARCH_I386
     group, meta = z.SECCOMP_GROUP_CALLS[machine], z.SECCOMP_FILE_META_CALLS[machine]
-    for extra in ((), group, group + meta):
-        program = z.seccomp_program(arch, denied + extra, socket_nr, prctl_nr)
+    af_unix, af_inet, af_tipc = 1, 2, 30
+    stream, dgram, seqpacket, raw = 1, 2, 5, 3
+    nonblock_cloexec = 0o4000 | 0o2000000
+    for keep_group, keep_meta, keep_sockets in itertools.product((False, True), repeat=3):
+        arch, denied, checked = z.seccomp_rules(machine, keep_group, keep_meta, keep_sockets)
+        assert arch == calls.arch
+        program = z.seccomp_program(arch, denied, checked)
         assert all(code != 0x06 or k in (allow, eperm, kill) for code, _, _, k in program)
 
-        def verdict(nr: int, arg0: int = 0, a: int = arch, p: list = program) -> int:
-            return _run_bpf(p, a, nr, arg0)
+        def verdict(nr: int, *args: int, a: int = arch, p: list = program) -> int:
+            return _run_bpf(p, a, nr, *args)
 
-        for nr in denied + extra:
+        extra = (group if keep_group else ()) + (meta if keep_meta else ())
+        for nr in calls.denied + extra:
             assert verdict(nr) == eperm, nr
             assert verdict(nr, a=i386) == kill
         for nr in (0, 1, 39, 63, 500):  # read, write, getpid / uname, ...
             assert verdict(nr) == allow and verdict(nr, a=i386) == kill
             assert verdict(nr, a=0) == kill
-        assert verdict(socket_nr, 1) == allow and verdict(socket_nr, 2) == eperm
-        assert verdict(prctl_nr, 15) == allow and verdict(prctl_nr, z.PR_SET_PDEATHSIG) == eperm
+        if not keep_group:
+            assert all(verdict(nr) == allow for nr in group)
+        if not keep_meta:
+            assert all(verdict(nr) == allow for nr in meta)
+        assert verdict(calls.prctl, 15) == allow
+        assert verdict(calls.prctl, z.PR_SET_PDEATHSIG) == eperm
         assert verdict(z._X32_BIT | 39) == eperm and verdict(0xFFFFFFFF) == eperm
         assert verdict(15, a=i386) == kill  # i386 chmod
+        # socket(), connect(), socketpair(): a Unix socket only, and in rlimit mode none of the
+        # code's own but a stream or seqpacket pair, which reaches no address.
+        assert verdict(calls.socket, af_inet, stream) == eperm
+        assert verdict(calls.socket, af_unix, stream) == (eperm if keep_sockets else allow)
+        assert verdict(calls.socket, af_unix, dgram) == (eperm if keep_sockets else allow)
+        assert verdict(calls.connect, 3) == (eperm if keep_sockets else allow)
+        for family in (af_inet, af_tipc):
+            assert verdict(calls.socketpair, family, stream) == eperm
+        for kind in (stream, seqpacket, stream | nonblock_cloexec, seqpacket | nonblock_cloexec):
+            assert verdict(calls.socketpair, af_unix, kind) == allow, kind
+        for kind in (dgram, raw, dgram | nonblock_cloexec, 0, 0xF):
+            assert verdict(calls.socketpair, af_unix, kind) == (eperm if keep_sockets else allow)
 
 
 # Machine code (x86_64) that makes one i386 system call by ``int 0x80`` from a page below 4 GB
