@@ -404,6 +404,7 @@ class SyscallNumbers(NamedTuple):
     socketpair: int
     connect: int
     prctl: int
+    ioctl: int
 
 
 # What the seccomp filter refuses with EPERM in every mode, per architecture:
@@ -417,9 +418,9 @@ class SyscallNumbers(NamedTuple):
 #   with every process it started) when the zygote kills its intermediate at a timeout or close.
 SECCOMP_RULES = {
     "x86_64": SyscallNumbers(0xC000003E, (319, 447, 29, 425), socket=41, socketpair=53,
-                             connect=42, prctl=157),
+                             connect=42, prctl=157, ioctl=16),
     "aarch64": SyscallNumbers(0xC00000B7, (279, 447, 194, 425), socket=198, socketpair=199,
-                              connect=203, prctl=167),
+                              connect=203, prctl=167, ioctl=29),
 }
 # Refused too in rlimit mode, where a process group is all that ends a sandbox's processes:
 # setpgid and setsid, so that nothing the code starts can leave the group the zygote kills.
@@ -449,6 +450,15 @@ SECCOMP_FILE_META_CALLS = {
                188, 189, 190, 463, 197, 198, 199, 466, 469),
     "aarch64": (52, 53, 452, 55, 54, 88, 5, 6, 7, 463, 14, 15, 16, 466, 469),
 }
+# With them, the ioctl() commands that change an inode's flags, which the owner of a file may
+# use on any descriptor of it, one opened read-only too (Landlock's ioctl right covers devices
+# only): chattr's FS_IOC_SETFLAGS (nodump, noatime, nocow, sync...; as root immutable and
+# append-only too) and its 32-bit form, FS_IOC_FSSETXATTR (the same flags, the project id),
+# FS_IOC_SETVERSION and its 32-bit and ext4 forms (the inode's generation), and
+# FS_IOC_ENABLE_VERITY (makes a file's content unchangeable for good). The same numbers on
+# x86_64 and aarch64; the kernel reads the command as 32 bits, and so does the filter.
+SECCOMP_FILE_META_IOCTLS = (0x40086602, 0x40046602, 0x401C5820, 0x40087602, 0x40047602,
+                            0x40086604, 0x40806685)
 _X32_BIT = 0x40000000  # x86_64's x32 ABI: the same calls by other numbers; Python never uses it
 _AF_UNIX = 1
 _SOCK_TYPE_MASK, _SOCK_STREAM, _SOCK_SEQPACKET = 0xF, 1, 5  # (above: SOCK_NONBLOCK, SOCK_CLOEXEC)
@@ -470,8 +480,8 @@ def seccomp_rules(machine: str, keep_group: bool = False, keep_file_meta: bool =
                   ) -> tuple[int, tuple[int, ...], tuple[tuple[int, tuple[ArgCheck, ...]], ...]]:
     """What the filter checks on ``machine``: its audit value, the calls it refuses and the calls
     whose arguments it checks. Every mode: ``SECCOMP_RULES``; rlimit mode adds, with
-    ``keep_group``, ``SECCOMP_GROUP_CALLS``, with ``keep_file_meta``, ``SECCOMP_FILE_META_CALLS``,
-    and with ``keep_host_sockets`` socket() for every family,
+    ``keep_group``, ``SECCOMP_GROUP_CALLS``, with ``keep_file_meta``, ``SECCOMP_FILE_META_CALLS``
+    and ``SECCOMP_FILE_META_IOCTLS``, and with ``keep_host_sockets`` socket() for every family,
     AF_UNIX too, connect(), and socketpair() of a type but SOCK_STREAM and SOCK_SEQPACKET.
 
     The host's services (an ssh-agent, a D-Bus session bus, docker.sock, /dev/log) listen on
@@ -494,6 +504,7 @@ def seccomp_rules(machine: str, keep_group: bool = False, keep_file_meta: bool =
         denied += SECCOMP_GROUP_CALLS[machine]
     if keep_file_meta:
         denied += SECCOMP_FILE_META_CALLS[machine]
+        checked.append((calls.ioctl, ((_arg(1), 0, SECCOMP_FILE_META_IOCTLS, False),)))
     if keep_host_sockets:
         denied += (calls.socket, calls.connect)
         pair += ((_arg(1), _SOCK_TYPE_MASK, (_SOCK_STREAM, _SOCK_SEQPACKET), True),)

@@ -37,8 +37,8 @@ What is not isolated
 Without bubblewrap (``isolation: rlimit``, or ``auto`` when bwrap is missing or cannot create
 namespaces) the rlimits, the seccomp filter, a kill of the process group that holds every process
 the code starts, and a working folder of its own apply. The filter refuses there, besides the
-calls above: ``setsid`` and ``setpgid``; any change to a file's mode, owner, times or extended
-attributes; and every socket of the code's own: ``socket`` for
+calls above: ``setsid`` and ``setpgid``; any change to a file's mode, owner, times, extended
+attributes or inode flags (chattr's ioctls); and every socket of the code's own: ``socket`` for
 every family, ``AF_UNIX`` too, ``connect``, and ``socketpair`` but of a stream or seqpacket type
 (which reaches no address). So the code reaches no network and no Unix socket a local service
 left open to the user (an ssh-agent, a D-Bus session bus, docker.sock, ``/dev/log``), which

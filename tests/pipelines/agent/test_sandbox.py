@@ -783,6 +783,71 @@ def test_rlimit_mode_refuses_changing_a_file_s_mode_owner_times_and_xattrs(tmp_p
     assert key.read_text() == "private"
 
 
+def test_rlimit_mode_refuses_changing_a_file_s_inode_flags(tmp_path, monkeypatch):
+    """chattr's ioctls (FS_IOC_SETFLAGS, FS_IOC_FSSETXATTR) work on any descriptor of a file its
+    owner opened, read-only too, and Landlock's ioctl right covers devices only: in rlimit mode
+    the code could set the inode flags (nodump, noatime, ...; as root immutable) of the user's
+    files it may read, the runtime a user installed (the folder here stands for it), and of any
+    file without Landlock. The seccomp filter refuses those commands with EPERM; reading the
+    flags still works. (On a file system without inode flags the commands were refused anyway;
+    the BPF test checks the verdict there.)"""
+    import ast
+    import fcntl
+    import platform
+
+    from pipelines.agent import sandbox as sandbox_mod
+    from pipelines.agent.sandbox import isolation, zygote_host
+    from pipelines.agent.sandbox._zygote import SECCOMP_RULES
+
+    if platform.machine() not in SECCOMP_RULES:
+        pytest.skip("no filter for this architecture")
+    getflags, setflags, fsgetxattr, fssetxattr = 0x80086601, 0x40086602, 0x801C581F, 0x401C5820
+    root = tmp_path / "venv"
+    root.mkdir()
+    lib = root / "lib.py"
+    lib.write_text("VALUE = 1\n")
+
+    def flags(path: Path) -> tuple[bytes, bytes] | None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            return (fcntl.ioctl(fd, getflags, bytes(8)), fcntl.ioctl(fd, fsgetxattr, bytes(28)))
+        except OSError:  # a file system without inode flags
+            return None
+        finally:
+            os.close(fd)
+
+    before = flags(lib)
+    real_roots = isolation.import_roots
+    monkeypatch.setattr(isolation, "import_roots", lambda: [str(root), *real_roots()])
+    monkeypatch.setattr(zygote_host, "_ZYGOTES", {})  # a fresh zygote: the folder is readable
+    code = (f"import fcntl, os, struct\nres = []\nopen('mine.txt', 'w').write('x')\n"
+            f"for path in ({str(lib)!r}, 'mine.txt'):\n"
+            "    fd = os.open(path, os.O_RDONLY)\n"
+            "    try:\n"
+            f"        old = struct.unpack('l', fcntl.ioctl(fd, {getflags}, bytes(8)))[0]\n"
+            f"        xattr = bytearray(fcntl.ioctl(fd, {fsgetxattr}, bytes(28)))\n"
+            "        res.append('read')\n"
+            "    except PermissionError:\n        raise\n"
+            "    except OSError:\n        old, xattr = 0, bytearray(28)\n        res.append('none')\n"
+            "    xattr[0] |= 0x80  # FS_XFLAG_NODUMP\n"
+            f"    for cmd, arg in (({setflags}, struct.pack('l', old | 0x40)), ({fssetxattr}, xattr)):\n"
+            "        try:\n            fcntl.ioctl(fd, cmd, bytes(arg))\n            res.append('set')\n"
+            "        except PermissionError:\n            res.append('refused')\n"
+            "        except OSError as e:\n            res.append(e.errno)\n"
+            "print(res)")
+    isolation._warned_rlimit = True  # the rlimit warning has its own test
+    try:
+        with Sandbox(SandboxConfig(isolation="rlimit", timeout_s=20)) as s:
+            out = _ok(s.run(code))
+    finally:
+        sandbox_mod.shutdown()
+    res = ast.literal_eval(out.strip())  # (the code's own file may be on another file system)
+    assert res[0] == ("read" if before is not None else "none") and res[3] in ("read", "none")
+    assert res[1:3] == res[4:] == ["refused", "refused"], res
+    assert flags(lib) == before
+    assert lib.read_text() == "VALUE = 1\n"
+
+
 def _run_bpf(program: list[tuple[int, int, int, int]], arch: int, nr: int, *args: int) -> int:
     """What a classic-BPF seccomp program returns for a call with ``args`` (only the instructions
     ``seccomp_program`` uses: load a word of seccomp_data, and a constant, jeq, jge, ret)."""
@@ -808,8 +873,8 @@ def test_seccomp_program_s_jumps_land_where_they_say(machine):
     another architecture is killed (i386 on x86_64, whose numbers are not the table's), an x32
     number refused, as are the denied calls, socket() and socketpair() but for AF_UNIX and
     prctl(PR_SET_PDEATHSIG); every other call is allowed. rlimit mode's rules, each on its own
-    and together: setsid and setpgid, the file-metadata calls, socket() of every family,
-    connect() and a socketpair() of a datagram type."""
+    and together: setsid and setpgid, the file-metadata calls and ioctl()s (by the command's low
+    32 bits), socket() of every family, connect() and a socketpair() of a datagram type."""
     import itertools
 
     from pipelines.agent.sandbox import _zygote as z
@@ -821,6 +886,7 @@ def test_seccomp_program_s_jumps_land_where_they_say(machine):
     af_unix, af_inet, af_tipc = 1, 2, 30
     stream, dgram, seqpacket, raw = 1, 2, 5, 3
     nonblock_cloexec = 0o4000 | 0o2000000
+    setflags, fssetxattr, getflags, fionread = 0x40086602, 0x401C5820, 0x80086601, 0x541B
     for keep_group, keep_meta, keep_sockets in itertools.product((False, True), repeat=3):
         arch, denied, checked = z.seccomp_rules(machine, keep_group, keep_meta, keep_sockets)
         assert arch == calls.arch
@@ -857,6 +923,12 @@ def test_seccomp_program_s_jumps_land_where_they_say(machine):
             assert verdict(calls.socketpair, af_unix, kind) == allow, kind
         for kind in (dgram, raw, dgram | nonblock_cloexec, 0, 0xF):
             assert verdict(calls.socketpair, af_unix, kind) == (eperm if keep_sockets else allow)
+        # ioctl(): the inode-flag commands in rlimit mode, by their low 32 bits; any other.
+        for command in z.SECCOMP_FILE_META_IOCTLS + (setflags | 0xFFFFFFFF_00000000, fssetxattr):
+            assert verdict(calls.ioctl, 3, command) == (eperm if keep_meta else allow)
+        for command in (getflags, fionread, setflags + 1, 0):
+            assert verdict(calls.ioctl, 3, command) == allow
+        assert verdict(calls.ioctl, setflags, 0) == allow  # the descriptor is not the command
 
 
 # Machine code (x86_64) that makes one i386 system call by ``int 0x80`` from a page below 4 GB
