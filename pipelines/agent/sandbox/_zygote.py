@@ -15,8 +15,9 @@ Worker set-up, in ``strict`` mode: new user, mount, pid, network, IPC and UTS na
 sibling sandbox is visible, addressable or reachable), a private size-limited tmpfs on /tmp, an
 empty tmpfs over /proc, every capability dropped, no_new_privs, non-dumpable, rlimits, and pid 1
 of its own pid namespace: when it is killed, every process it started dies with it. In
-``rlimit`` mode only the rlimits, a new session/process group and a temporary working directory
-apply.
+``rlimit`` mode the rlimits, every capability dropped, no_new_privs, a new session/process
+group, Landlock and a working directory of its own apply (``isolation``'s docstring says what
+each mode refuses).
 """
 
 from __future__ import annotations
@@ -53,7 +54,11 @@ CLONE_NEWPID = 0x20000000
 CLONE_NEWNET = 0x40000000
 MS_REC, MS_PRIVATE, MS_NOSUID, MS_NODEV, MS_BIND = 0x4000, 0x40000, 0x2, 0x4, 0x1000
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 4, 24, 38
-SYS_CAPSET = 126  # x86_64
+PR_SET_SECUREBITS, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 28, 47, 4
+# The securebits a worker sets, each with its lock (none can be unset again): NOROOT (uid 0
+# gains no capability by exec) 0x1|0x2, NO_SETUID_FIXUP (nor by changing uids) 0x4|0x8,
+# KEEP_CAPS off and locked 0x20, NO_CAP_AMBIENT_RAISE 0x40|0x80.
+SECUREBITS_LOCKED_DOWN = 0xEF
 MAX_FRAME = 256 * 1024 * 1024
 # Frames above this size (media, pixels) are sent and received without intermediate copies.
 BIG_FRAME = 256 * 1024
@@ -369,13 +374,22 @@ class _CapData(ctypes.Structure):
 
 
 def drop_capabilities() -> None:
-    """Empty the bounding set and all capability sets; forbid regaining privileges."""
+    """Empty every capability set, lock root's special rules off and forbid regaining
+    privileges: neither this process nor a program it starts (one owned by root, setuid or with
+    file capabilities too) holds a capability. In order: the securebits
+    (``SECUREBITS_LOCKED_DOWN``) and the bounding set, which need CAP_SETPCAP, then the ambient
+    set, then the effective, permitted and inheritable sets, then no_new_privs. A process without
+    CAP_SETPCAP (a user other than root, in rlimit mode) sets no securebits and keeps its
+    bounding set; it holds no capability to lose, and no_new_privs keeps an exec from granting
+    one."""
+    libc.prctl(PR_SET_SECUREBITS, SECUREBITS_LOCKED_DOWN, 0, 0, 0)
     for cap in range(64):
-        if libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 and ctypes.get_errno() == 22:
-            break  # EINVAL: past the last capability this kernel knows
-    header = _CapHeader(0x20080522, 0)
+        if libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 and ctypes.get_errno() == errno.EINVAL:
+            break  # past the last capability this kernel knows
+    libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)  # (capset clears it too)
+    header = _CapHeader(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3: two words per set
     data = (_CapData * 2)()
-    _check(libc.syscall(SYS_CAPSET, ctypes.byref(header), ctypes.byref(data)), "capset")
+    _check(libc.capset(ctypes.byref(header), ctypes.byref(data)), "capset")
     _check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
 
 
@@ -1859,7 +1873,6 @@ def spawn(conn_fd: int, limits: dict, preloaded: dict, mode: str, control_fd: in
             prefer_for_oom_kill()  # while /proc is there and the process dumpable
             if mode == "strict":
                 hide_proc()
-                drop_capabilities()
                 workdir = "/tmp"
             else:  # its own folder under the zygote's temporary one, the only one it may write
                 workdir = workdir or tempfile.mkdtemp(prefix="pyvision-sbx-")
@@ -1868,6 +1881,10 @@ def spawn(conn_fd: int, limits: dict, preloaded: dict, mode: str, control_fd: in
             output_fd = os.memfd_create("pyvision-output", os.MFD_CLOEXEC)
             os.ftruncate(output_fd, output_buffer_size(int(limits["max_output_chars"])))
             apply_rlimits(limits, mode)
+            # In every mode: rlimit mode runs as the host's uid, every capability of a root host
+            # with it. After the rlimits (a root host may set one above its hard limit, which
+            # needs CAP_SYS_RESOURCE), Landlock and the folder; before the code.
+            drop_capabilities()
             # After the output buffer's memfd, before any thread; after the folder is made
             # (nothing from here on sets a mode, an owner or a time).
             rlimit = mode != "strict"

@@ -55,6 +55,13 @@ bubblewrap: the code runs as the user's uid in the host's namespaces; without La
 shared too: for a user other than root the kernel counts all of that user's tasks, so a sandbox
 may start ``max_processes`` beyond those the user runs when it starts
 (``_zygote.process_limit``).
+
+A root host in rlimit mode: the code runs as uid 0, but each worker drops every capability
+before it runs, as in bubblewrap mode (``_zygote.drop_capabilities``: the bounding and ambient
+sets too, and securebits locked, so nothing it starts regains one). So it cannot mount, reboot,
+freeze a file system, load a module, set the clock or the hostname, or pass by a file's
+permissions. It still owns root's files, which only Landlock keeps it from, and the kernel
+enforces no process limit (``RLIMIT_NPROC``) for uid 0, with capabilities or without.
 """
 
 from __future__ import annotations

@@ -848,6 +848,43 @@ def test_rlimit_mode_refuses_changing_a_file_s_inode_flags(tmp_path, monkeypatch
     assert lib.read_text() == "VALUE = 1\n"
 
 
+def test_an_rlimit_sandbox_holds_no_capability_even_on_a_root_host():
+    """In rlimit mode the code runs as the host's uid: on a root host it kept every capability
+    (it could reboot, mount, set the clock or the hostname, load modules, and pass by file
+    permissions). The worker now drops them all before the code runs, the bounding and ambient
+    sets too, and locks root's special rules (securebits), so a program the code starts, one
+    owned by root or setuid too, regains none. (Run as another user the sets were empty anyway:
+    the test then checks what it can.)"""
+    from pipelines.agent.sandbox import isolation
+
+    isolation._warned_rlimit = True  # the rlimit warning has its own test
+    # What the process holds, by capget(2) and prctl(2) (/proc is not readable under Landlock):
+    # its effective, permitted and inheritable sets, then its bounding and ambient ones.
+    probe = ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+             "head, data = (ctypes.c_uint32 * 2)(0x20080522, 0), (ctypes.c_uint32 * 6)()\n"
+             "assert libc.capget(head, data) == 0, ctypes.get_errno()\n"
+             "sets = [data[i] | data[i + 3] << 32 for i in range(3)]\n"
+             "sets += [sum(1 << c for c in range(64) if libc.prctl(23, c, 0, 0, 0) == 1), "
+             "sum(1 << c for c in range(64) if libc.prctl(47, 1, c, 0, 0) == 1)]\n"
+             "print(sets)\n")
+    code = (probe + "import os, subprocess, sys\nres = [sets]\n"
+            "res.append(eval(subprocess.run([sys.executable, '-c', " + repr(probe) + "], "
+            "capture_output=True, text=True, stdin=subprocess.DEVNULL, check=True).stdout))\n"
+            "try:\n    os.setgroups(os.getgroups())\n    res.append('setgroups done')\n"
+            "except PermissionError:\n    res.append('setgroups refused')\n"
+            "res.append(libc.prctl(27, 0, 0, 0, 0))\n"  # PR_GET_SECUREBITS
+            "print(res)")
+    with Sandbox(SandboxConfig(isolation="rlimit", timeout_s=20)) as s:
+        out = _ok(s.run(code))
+    import ast
+
+    worker, child, setgroups, securebits = ast.literal_eval(out.strip().splitlines()[-1])
+    assert worker == child == [0] * 5, out
+    assert setgroups == "setgroups refused"
+    if os.geteuid() == 0:  # (another user may not set them, and has no root to lock)
+        assert securebits == 0xEF  # NOROOT, NO_SETUID_FIXUP, NO_CAP_AMBIENT_RAISE, locked
+
+
 def _run_bpf(program: list[tuple[int, int, int, int]], arch: int, nr: int, *args: int) -> int:
     """What a classic-BPF seccomp program returns for a call with ``args`` (only the instructions
     ``seccomp_program`` uses: load a word of seccomp_data, and a constant, jeq, jge, ret)."""
