@@ -1754,6 +1754,9 @@ def worker_main(sock: socket.socket, limits: dict, preloaded: dict, mode: str, w
     os.environ.clear()
     os.environ.update({"HOME": workdir, "TMPDIR": workdir, "PATH": "/usr/bin:/bin",
                        "MPLCONFIGDIR": workdir, "OMP_NUM_THREADS": "1", "LANG": "C.UTF-8"})
+    # What TMPDIR says, for the code's tempfile calls too: the module read its folder once, in
+    # the zygote (``mkdtemp`` of each rlimit sandbox's folder), which the worker may not write.
+    tempfile.tempdir = workdir
     runtime = Runtime(preloaded, limits, output)
     Image = preloaded["Image"]
     for spec in init.get("media", []):

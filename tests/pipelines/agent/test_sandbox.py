@@ -885,6 +885,26 @@ def test_an_rlimit_sandbox_holds_no_capability_even_on_a_root_host():
         assert securebits == 0xEF  # NOROOT, NO_SETUID_FIXUP, NO_CAP_AMBIENT_RAISE, locked
 
 
+@pytest.mark.parametrize("mode", ["rlimit", pytest.param("bwrap", marks=strict)])
+def test_tempfile_makes_its_files_in_the_sandbox_s_own_folder(mode):
+    """The zygote makes each rlimit sandbox's folder with ``tempfile.mkdtemp``, which caches the
+    zygote's temporary folder as ``tempfile.tempdir``: the code's ``NamedTemporaryFile`` and
+    ``mkdtemp`` went there, and Landlock refused them (EACCES). They now go to the sandbox's own
+    folder, its working directory (TMPDIR), in every mode."""
+    from pipelines.agent.sandbox import isolation
+
+    isolation._warned_rlimit = True  # the rlimit warning has its own test
+    code = ("import os, tempfile\n"
+            "with tempfile.NamedTemporaryFile('w', suffix='.txt') as f:\n"
+            "    f.write('x')\n    f.flush()\n    named = f.name\n"
+            "d = tempfile.mkdtemp()\nopen(os.path.join(d, 'in.txt'), 'w').write('y')\n"
+            "fd, path = tempfile.mkstemp()\nos.close(fd)\n"
+            "print([os.path.dirname(p) == os.getcwd() for p in (named, d, path)], "
+            "tempfile.gettempdir() == os.getcwd() == os.environ['TMPDIR'])")
+    with Sandbox(SandboxConfig(isolation=mode, timeout_s=20)) as s:
+        assert _ok(s.run(code)).strip() == "[True, True, True] True"
+
+
 def _run_bpf(program: list[tuple[int, int, int, int]], arch: int, nr: int, *args: int) -> int:
     """What a classic-BPF seccomp program returns for a call with ``args`` (only the instructions
     ``seccomp_program`` uses: load a word of seccomp_data, and a constant, jeq, jge, ret)."""
