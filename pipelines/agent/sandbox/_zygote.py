@@ -436,6 +436,24 @@ SECCOMP_RULES = {
     "aarch64": SyscallNumbers(0xC00000B7, (279, 447, 194, 425), socket=198, socketpair=199,
                               connect=203, prctl=167, ioctl=29),
 }
+# Refused too in every mode: System V IPC, POSIX message queues and the kernel's keyrings. In
+# rlimit mode the code has the user's uid in the host's IPC namespace, and Landlock does not
+# mediate these: it could read, send to and remove the user's System V message queues and
+# semaphores and (by id) shared-memory segments, remove the user's POSIX message queues
+# (mq_unlink; Landlock refuses opening one, but only once mq_open has created it), and make
+# queues and semaphore sets whose kernel memory no rlimit counts, which outlive the sandbox
+# (in bubblewrap mode they end with its IPC namespace). Keyrings have no namespace: the session
+# keyring the host started with is the worker's in bubblewrap mode too (as the user or as uid
+# 65534), with the keys the user keeps there (Kerberos tickets, a secret service's). shmat
+# shmctl, semget semop semctl semtimedop, msgget msgsnd msgrcv msgctl, mq_open mq_unlink,
+# add_key request_key keyctl (shmget is in SECCOMP_RULES; shmdt, which only detaches, and the
+# mq_* calls on a descriptor mq_open would have given, are not refused). Numbers from the
+# kernel's arch/x86/entry/syscalls/syscall_64.tbl and scripts/syscall.tbl (asm-generic,
+# aarch64). Nothing the sandbox runs uses them: multiprocessing's locks are POSIX semaphores.
+SECCOMP_IPC_CALLS = {
+    "x86_64": (30, 31, 64, 65, 66, 220, 68, 69, 70, 71, 240, 241, 248, 249, 250),
+    "aarch64": (196, 195, 190, 193, 191, 192, 186, 189, 188, 187, 180, 181, 217, 218, 219),
+}
 # Refused too in rlimit mode, where a process group is all that ends a sandbox's processes:
 # setpgid and setsid, so that nothing the code starts can leave the group the zygote kills.
 SECCOMP_GROUP_CALLS = {"x86_64": (109, 112), "aarch64": (154, 157)}
@@ -493,10 +511,11 @@ def seccomp_rules(machine: str, keep_group: bool = False, keep_file_meta: bool =
                   keep_host_sockets: bool = False
                   ) -> tuple[int, tuple[int, ...], tuple[tuple[int, tuple[ArgCheck, ...]], ...]]:
     """What the filter checks on ``machine``: its audit value, the calls it refuses and the calls
-    whose arguments it checks. Every mode: ``SECCOMP_RULES``; rlimit mode adds, with
-    ``keep_group``, ``SECCOMP_GROUP_CALLS``, with ``keep_file_meta``, ``SECCOMP_FILE_META_CALLS``
-    and ``SECCOMP_FILE_META_IOCTLS``, and with ``keep_host_sockets`` socket() for every family,
-    AF_UNIX too, connect(), and socketpair() of a type but SOCK_STREAM and SOCK_SEQPACKET.
+    whose arguments it checks. Every mode: ``SECCOMP_RULES`` and ``SECCOMP_IPC_CALLS``; rlimit
+    mode adds, with ``keep_group``, ``SECCOMP_GROUP_CALLS``, with ``keep_file_meta``,
+    ``SECCOMP_FILE_META_CALLS`` and ``SECCOMP_FILE_META_IOCTLS``, and with ``keep_host_sockets``
+    socket() for every family, AF_UNIX too, connect(), and socketpair() of a type but
+    SOCK_STREAM and SOCK_SEQPACKET.
 
     The host's services (an ssh-agent, a D-Bus session bus, docker.sock, /dev/log) listen on
     Unix sockets that the user's uid, the code's in rlimit mode, may reach, and neither Landlock
@@ -510,7 +529,7 @@ def seccomp_rules(machine: str, keep_group: bool = False, keep_file_meta: bool =
     pipes) and asyncio's loop (a stream pair) work. Not in bubblewrap mode, whose file system and
     network namespace hold no socket of the host's."""
     calls = SECCOMP_RULES[machine]
-    denied = calls.denied
+    denied = calls.denied + SECCOMP_IPC_CALLS[machine]
     unix_only: ArgCheck = (_arg(0), 0, (_AF_UNIX,), True)
     pair: tuple[ArgCheck, ...] = (unix_only,)
     checked = [(calls.prctl, ((_arg(0), 0, (PR_SET_PDEATHSIG,), False),))]

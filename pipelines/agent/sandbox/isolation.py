@@ -15,8 +15,11 @@ What is isolated (``isolation: bwrap``, the default where bubblewrap works)
   started with it (double-forked daemons included); when a call returns, pid 1 ends every
   process the call left running. A seccomp filter refuses ``memfd_create``, ``memfd_secret``
   and ``shmget``, whose memory the address-space limit does not count, ``io_uring_setup``,
-  ``socket`` and ``socketpair`` for every family but ``AF_UNIX``, and ``prctl(PR_SET_PDEATHSIG)``
-  (the death signal that ends pid 1 when its parent is killed).
+  ``socket`` and ``socketpair`` for every family but ``AF_UNIX``, ``prctl(PR_SET_PDEATHSIG)``
+  (the death signal that ends pid 1 when its parent is killed), and System V IPC, POSIX message
+  queues and the kernel's keyrings (``_zygote.SECCOMP_IPC_CALLS``): no namespace separates the
+  keyrings, so the host's session keyring is the sandbox's too, and in rlimit mode the IPC
+  objects are the host's.
 - The code shares the worker's process, so it can forge the worker's reply: the host holds every
   reply to the limits itself (field types, output length, header size, the shown images' pixels
   and aspect, the call's deadline) and reads anything else as a crash, never an exception.

@@ -905,6 +905,91 @@ def test_tempfile_makes_its_files_in_the_sandbox_s_own_folder(mode):
         assert _ok(s.run(code)).strip() == "[True, True, True] True"
 
 
+@pytest.mark.parametrize("mode", ["rlimit", pytest.param("bwrap", marks=strict)])
+def test_no_ipc_object_or_kernel_keyring_of_the_host_is_reachable(mode):
+    """In rlimit mode the code runs as the user's uid in the host's IPC namespace, and Landlock
+    does not mediate System V IPC: it could read and write the user's message queues, semaphores
+    and (by id) shared-memory segments, here made by the test as a service of the user's would,
+    and make new ones that outlive it; and remove the user's POSIX message queues, or create
+    some (Landlock refuses only the opening). The kernel's keyrings have no namespace: the session
+    keyring the host started with is the sandbox's in every mode, with the keys the user keeps
+    there. The seccomp filter refuses those calls with EPERM (``SECCOMP_IPC_CALLS``); in
+    bubblewrap mode the host's objects are not visible at all (its own IPC namespace)."""
+    import ast
+    import ctypes
+    import platform
+
+    from pipelines.agent.sandbox import isolation
+
+    keyring_calls = {"x86_64": (248, 249, 250), "aarch64": (217, 218, 219)}  # add_key ... keyctl
+    if platform.machine() not in keyring_calls:
+        pytest.skip("no filter for this architecture")
+    add_key, request_key, keyctl = keyring_calls[platform.machine()]
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.shmat.restype = ctypes.c_void_p
+    ipc_creat, ipc_rmid, ipc_stat, ipc_nowait = 0o1000, 0, 2, 0o4000
+    made: dict[str, int] = {}
+    msq = libc.msgget(0, ipc_creat | 0o600)  # IPC_PRIVATE
+    sem = libc.semget(0, 1, ipc_creat | 0o600)
+    shm = libc.shmget(0, 4096, ipc_creat | 0o600)
+    queue, new_queue = (f"/pyvision-{name}-{os.getpid()}".encode() for name in ("test", "new"))
+    mq = libc.mq_open(queue, os.O_RDWR | os.O_CREAT, 0o600, None)
+    try:
+        if min(msq, sem, shm, mq) < 0:
+            pytest.skip(f"no System V IPC here ({os.strerror(ctypes.get_errno())})")
+        message = (ctypes.c_long * 2)(1, int.from_bytes(b"secret", "little"))
+        assert libc.msgsnd(msq, message, 8, ipc_nowait) == 0
+        at = libc.shmat(shm, None, 0)
+        ctypes.memmove(at, b"secret", 6)
+        libc.shmdt(ctypes.c_void_p(at))
+        calls = {
+            "msgrcv": f"libc.msgrcv({msq}, buf, 8, 0, {ipc_nowait})",
+            "msgsnd": f"libc.msgsnd({msq}, (ctypes.c_long * 2)(1, 2), 8, {ipc_nowait})",
+            "msgctl": f"libc.msgctl({msq}, {ipc_stat}, buf)",
+            "msgget": f"libc.msgget(0, {ipc_creat | 0o600})",
+            "semop": f"libc.semop({sem}, (ctypes.c_short * 3)(0, 1, {ipc_nowait}), 1)",
+            "semtimedop": f"libc.semtimedop({sem}, (ctypes.c_short * 3)(0, 1, {ipc_nowait}), 1, "
+                          "None)",
+            "semctl": f"libc.semctl({sem}, 0, 12)",  # GETVAL
+            "semget": f"libc.semget(0, 1, {ipc_creat | 0o600})",
+            "shmat": f"libc.shmat({shm}, None, 0o10000)",  # SHM_RDONLY
+            "shmctl": f"libc.shmctl({shm}, {ipc_stat}, buf)",
+            "mq_unlink": f"libc.mq_unlink({queue!r})",
+            "mq_open": f"libc.mq_open({new_queue!r}, {os.O_RDWR | os.O_CREAT}, 0o600, None)",
+            "keyctl": f"libc.syscall({keyctl}, 0, -3, 1)",  # the session keyring's id
+            "add_key": f"libc.syscall({add_key}, b'user', b'pyvision', b'x', 1, -2)",
+            "request_key": f"libc.syscall({request_key}, b'user', b'pyvision', None, 0)",
+        }
+        code = ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+                "libc.shmat.restype = ctypes.c_void_p\nbuf = ctypes.create_string_buffer(256)\n"
+                "res = {}\n"
+                + "".join(f"ctypes.set_errno(0)\nr = {call}\n"
+                          f"res[{name!r}] = (-1 if r == 2 ** 64 - 1 else r, ctypes.get_errno())\n"
+                          for name, call in calls.items())
+                + "print(res)")
+        isolation._warned_rlimit = True  # the rlimit warning has its own test
+        with Sandbox(SandboxConfig(isolation=mode, timeout_s=20)) as s:
+            res = ast.literal_eval(_ok(s.run(code)).strip().splitlines()[-1])
+        made = {"msgget": res["msgget"][0], "semget": res["semget"][0]}  # (what a bug made)
+        # EPERM, which glibc's mq_unlink reports as EACCES (the queue is still there: below).
+        assert res == {name: (-1, 13 if name == "mq_unlink" else 1) for name in calls}, res
+        received = (ctypes.c_long * 2)()
+        assert libc.msgrcv(msq, received, 8, 0, ipc_nowait) == 8 and received[1] == message[1]
+        assert libc.semctl(sem, 0, 12) == 0  # its value: semop would have raised it
+        assert libc.mq_unlink(queue) == 0  # still there (and now removed)
+        mq = -1
+    finally:
+        if mq >= 0:
+            libc.mq_unlink(queue)
+        libc.mq_unlink(new_queue)
+        for ids, remove in (([msq, made.get("msgget", -1)], lambda i: libc.msgctl(i, ipc_rmid, None)),
+                            ([sem, made.get("semget", -1)], lambda i: libc.semctl(i, 0, ipc_rmid)),
+                            ([shm], lambda i: libc.shmctl(i, ipc_rmid, None))):
+            for i in ids:
+                if i >= 0:
+                    remove(i)
+
+
 def _run_bpf(program: list[tuple[int, int, int, int]], arch: int, nr: int, *args: int) -> int:
     """What a classic-BPF seccomp program returns for a call with ``args`` (only the instructions
     ``seccomp_program`` uses: load a word of seccomp_data, and a constant, jeq, jge, ret)."""
@@ -928,8 +1013,8 @@ def _run_bpf(program: list[tuple[int, int, int, int]], arch: int, nr: int, *args
 def test_seccomp_program_s_jumps_land_where_they_say(machine):
     """Every jump of the filter lands on the verdict it means, for each rule set: a call of
     another architecture is killed (i386 on x86_64, whose numbers are not the table's), an x32
-    number refused, as are the denied calls, socket() and socketpair() but for AF_UNIX and
-    prctl(PR_SET_PDEATHSIG); every other call is allowed. rlimit mode's rules, each on its own
+    number refused, as are the denied calls, IPC's and the keyrings' calls, socket() and
+    socketpair() but for AF_UNIX and prctl(PR_SET_PDEATHSIG); every other call is allowed. rlimit mode's rules, each on its own
     and together: setsid and setpgid, the file-metadata calls and ioctl()s (by the command's low
     32 bits), socket() of every family, connect() and a socketpair() of a datagram type."""
     import itertools
@@ -944,6 +1029,18 @@ def test_seccomp_program_s_jumps_land_where_they_say(machine):
     stream, dgram, seqpacket, raw = 1, 2, 5, 3
     nonblock_cloexec = 0o4000 | 0o2000000
     setflags, fssetxattr, getflags, fionread = 0x40086602, 0x401C5820, 0x80086601, 0x541B
+    # System V IPC, POSIX message queues and the keyrings, from the kernel's tables (syscall_64.tbl, asm-generic's):
+    # each one refused, and nothing else (shmdt, which only detaches, is allowed).
+    ipc = {"x86_64": {"shmat": 30, "shmctl": 31, "semget": 64, "semop": 65, "semctl": 66,
+                      "semtimedop": 220, "msgget": 68, "msgsnd": 69, "msgrcv": 70, "msgctl": 71,
+                      "mq_open": 240, "mq_unlink": 241, "add_key": 248, "request_key": 249,
+                      "keyctl": 250, "shmdt": 67},
+           "aarch64": {"shmat": 196, "shmctl": 195, "semget": 190, "semop": 193, "semctl": 191,
+                       "semtimedop": 192, "msgget": 186, "msgsnd": 189, "msgrcv": 188,
+                       "msgctl": 187, "mq_open": 180, "mq_unlink": 181, "add_key": 217,
+                       "request_key": 218, "keyctl": 219, "shmdt": 197}}[machine]
+    shmdt = ipc.pop("shmdt")
+    assert sorted(z.SECCOMP_IPC_CALLS[machine]) == sorted(ipc.values())
     for keep_group, keep_meta, keep_sockets in itertools.product((False, True), repeat=3):
         arch, denied, checked = z.seccomp_rules(machine, keep_group, keep_meta, keep_sockets)
         assert arch == calls.arch
@@ -954,10 +1051,10 @@ def test_seccomp_program_s_jumps_land_where_they_say(machine):
             return _run_bpf(p, a, nr, *args)
 
         extra = (group if keep_group else ()) + (meta if keep_meta else ())
-        for nr in calls.denied + extra:
+        for nr in calls.denied + tuple(ipc.values()) + extra:
             assert verdict(nr) == eperm, nr
             assert verdict(nr, a=i386) == kill
-        for nr in (0, 1, 39, 63, 500):  # read, write, getpid / uname, ...
+        for nr in (0, 1, 39, 63, 500, shmdt):  # read, write, getpid / uname, ...
             assert verdict(nr) == allow and verdict(nr, a=i386) == kill
             assert verdict(nr, a=0) == kill
         if not keep_group:
