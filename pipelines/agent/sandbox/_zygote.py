@@ -525,9 +525,11 @@ def seccomp_rules(machine: str, keep_group: bool = False, keep_file_meta: bool =
     given and can be connected to another. What the worker itself needs is unchanged: its link to
     the host is a stream socket made before the filter (sent and received on, descriptors
     passed over it). Code that listens on a Unix socket of its own (``multiprocessing.Manager``,
-    Python 3.14's default forkserver) fails there; ``multiprocessing.Pipe`` and ``Pool`` (fork,
-    pipes) and asyncio's loop (a stream pair) work. Not in bubblewrap mode, whose file system and
-    network namespace hold no socket of the host's."""
+    Python 3.14's default forkserver) fails there; ``multiprocessing.Pipe`` (fork, pipes) and
+    asyncio's loop (a stream pair) work. (``multiprocessing.Pool`` fails in rlimit mode anyway:
+    its locks are POSIX semaphores in ``/dev/shm``, which Landlock keeps the code from creating.)
+    Not in bubblewrap mode, whose file system and network namespace hold no socket of the
+    host's."""
     calls = SECCOMP_RULES[machine]
     denied = calls.denied + SECCOMP_IPC_CALLS[machine]
     unix_only: ArgCheck = (_arg(0), 0, (_AF_UNIX,), True)
