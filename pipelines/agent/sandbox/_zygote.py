@@ -419,6 +419,8 @@ class SyscallNumbers(NamedTuple):
     connect: int
     prctl: int
     ioctl: int
+    setpriority: int
+    ioprio_set: int
 
 
 # What the seccomp filter refuses with EPERM in every mode, per architecture:
@@ -432,10 +434,41 @@ class SyscallNumbers(NamedTuple):
 #   with every process it started) when the zygote kills its intermediate at a timeout or close.
 SECCOMP_RULES = {
     "x86_64": SyscallNumbers(0xC000003E, (319, 447, 29, 425), socket=41, socketpair=53,
-                             connect=42, prctl=157, ioctl=16),
+                             connect=42, prctl=157, ioctl=16, setpriority=141, ioprio_set=251),
     "aarch64": SyscallNumbers(0xC00000B7, (279, 447, 194, 425), socket=198, socketpair=199,
-                              connect=203, prctl=167, ioctl=29),
+                              connect=203, prctl=167, ioctl=29, setpriority=140, ioprio_set=30),
 }
+# Allowed in every mode on the caller alone (a pid of 0): the calls that set a process's limits
+# or scheduling by its pid. In rlimit mode the code runs as the user's uid in the host's pid
+# namespace; the kernel lets a process set these for any process of its uid, and Landlock
+# mediates none of them. So the code could lower the host's RLIMIT_CPU (SIGXCPU kills it once
+# it has used that much), RLIMIT_AS or RLIMIT_NOFILE, renice it or every process of the user's
+# (``setpriority(PRIO_USER, ...)``), or move its CPUs, policy or I/O class; its pid is
+# ``os.getppid()`` or a scan away. (On a root host, whose processes hold capabilities the code
+# dropped, the kernel refuses all but prlimit64 without CAP_SYS_NICE.) prlimit64,
+# sched_setparam, sched_setscheduler, sched_setaffinity and sched_setattr are allowed with a pid
+# of 0 only, which is what glibc's setrlimit/getrlimit, ``os.sched_setaffinity(0, ...)`` and
+# ``os.sched_setscheduler(0, ...)`` make; setpriority with PRIO_PROCESS and 0 only (``os.nice``),
+# ioprio_set with IOPRIO_WHO_PROCESS and 0 only (their numbers are in ``SyscallNumbers``). The
+# caller's own pid or a thread's id is refused too (``resource.prlimit(os.getpid(), ...)``,
+# psutil's setters, ``pthread_setaffinity_np``), and so is reading another process's limits with
+# prlimit64: harmless, but it would need a second path through the filter (pid 0, or a null new
+# limit), and nothing the sandbox runs needs it. The kernel takes a pid (``pid_t``) and
+# ``which``/``who`` (``int``) as the low 32 bits of their registers, whatever the upper half
+# holds, so the filter checks the low word alone: what the kernel acts on. Left allowed: x86_64's
+# setrlimit and both architectures' getrlimit/setrlimit, which act on the caller only, and the
+# calls on another process's memory (migrate_pages, move_pages, process_madvise, kcmp,
+# process_vm_readv/writev, pidfd_getfd, perf_event_open), which the kernel allows only where
+# ptrace_may_access does, and Landlock's ptrace hook refuses a process outside the sandbox's
+# domain. In bubblewrap mode the code sees its own processes only; the rule holds there too so
+# that code gets the same answers in both modes. Numbers from the kernel's
+# arch/x86/entry/syscalls/syscall_64.tbl and scripts/syscall.tbl (asm-generic, aarch64):
+# prlimit64 sched_setparam sched_setscheduler sched_setaffinity sched_setattr.
+SECCOMP_SELF_ONLY_CALLS = {
+    "x86_64": (302, 142, 144, 203, 314),
+    "aarch64": (261, 118, 119, 122, 274),
+}
+_PRIO_PROCESS, _IOPRIO_WHO_PROCESS = 0, 1
 # Refused too in every mode: System V IPC, POSIX message queues and the kernel's keyrings. In
 # rlimit mode the code has the user's uid in the host's IPC namespace, and Landlock does not
 # mediate these: it could read, send to and remove the user's System V message queues and
@@ -504,6 +537,7 @@ def _arg(i: int) -> int:
 
 # A check of one argument: (where its word is in seccomp_data, a mask to apply to it first or 0,
 # values, whether the call is allowed only with one of them (else: refused with any of them)).
+# A call with several checks is allowed only if it passes every one.
 ArgCheck = tuple[int, int, tuple[int, ...], bool]
 
 
@@ -511,7 +545,8 @@ def seccomp_rules(machine: str, keep_group: bool = False, keep_file_meta: bool =
                   keep_host_sockets: bool = False
                   ) -> tuple[int, tuple[int, ...], tuple[tuple[int, tuple[ArgCheck, ...]], ...]]:
     """What the filter checks on ``machine``: its audit value, the calls it refuses and the calls
-    whose arguments it checks. Every mode: ``SECCOMP_RULES`` and ``SECCOMP_IPC_CALLS``; rlimit
+    whose arguments it checks. Every mode: ``SECCOMP_RULES``, ``SECCOMP_IPC_CALLS`` and
+    ``SECCOMP_SELF_ONLY_CALLS`` (and setpriority and ioprio_set on the caller only); rlimit
     mode adds, with ``keep_group``, ``SECCOMP_GROUP_CALLS``, with ``keep_file_meta``,
     ``SECCOMP_FILE_META_CALLS`` and ``SECCOMP_FILE_META_IOCTLS``, and with ``keep_host_sockets``
     socket() for every family, AF_UNIX too, connect(), and socketpair() of a type but
@@ -535,6 +570,10 @@ def seccomp_rules(machine: str, keep_group: bool = False, keep_file_meta: bool =
     unix_only: ArgCheck = (_arg(0), 0, (_AF_UNIX,), True)
     pair: tuple[ArgCheck, ...] = (unix_only,)
     checked = [(calls.prctl, ((_arg(0), 0, (PR_SET_PDEATHSIG,), False),))]
+    own: ArgCheck = (_arg(0), 0, (0,), True)  # a pid of 0 (the low word: see above)
+    checked += [(nr, (own,)) for nr in SECCOMP_SELF_ONLY_CALLS[machine]]
+    for nr, which in ((calls.setpriority, _PRIO_PROCESS), (calls.ioprio_set, _IOPRIO_WHO_PROCESS)):
+        checked.append((nr, ((_arg(0), 0, (which,), True), (_arg(1), 0, (0,), True))))
     if keep_group:
         denied += SECCOMP_GROUP_CALLS[machine]
     if keep_file_meta:

@@ -19,7 +19,11 @@ What is isolated (``isolation: bwrap``, the default where bubblewrap works)
   (the death signal that ends pid 1 when its parent is killed), and System V IPC, POSIX message
   queues and the kernel's keyrings (``_zygote.SECCOMP_IPC_CALLS``): no namespace separates the
   keyrings, so the host's session keyring is the sandbox's too, and in rlimit mode the IPC
-  objects are the host's.
+  objects are the host's. It allows ``prlimit64``, ``setpriority``, ``ioprio_set`` and the
+  ``sched_set*`` calls on the calling process only (a pid of 0,
+  ``_zygote.SECCOMP_SELF_ONLY_CALLS``): in rlimit mode the code could else set the limits,
+  nice value, CPUs or policy of any process of the user's, the host that runs it too (an
+  ``RLIMIT_CPU`` of 1 second kills it).
 - The code shares the worker's process, so it can forge the worker's reply: the host holds every
   reply to the limits itself (field types, output length, header size, the shown images' pixels
   and aspect, the call's deadline) and reads anything else as a crash, never an exception.

@@ -990,11 +990,113 @@ def test_no_ipc_object_or_kernel_keyring_of_the_host_is_reachable(mode):
                     remove(i)
 
 
+def _proc_stat(pid: int) -> list[str]:
+    """The fields of ``/proc/<pid>/stat`` after the command's name (field 3 first)."""
+    text = Path(f"/proc/{pid}/stat").read_text()
+    return text[text.rindex(")") + 2:].split()
+
+
+def test_rlimit_mode_cannot_change_the_limits_or_scheduling_of_the_user_s_other_processes():
+    """In rlimit mode the code runs as the user's uid in the host's pid namespace, and Landlock
+    does not mediate prlimit, setpriority, the sched_* setters or ioprio_set: the code could
+    lower the rlimits of any process of the user's, by a pid as guessable as ``os.getppid()``
+    (RLIMIT_CPU of 1 kills the host that runs the evaluation with SIGXCPU), renice it or the
+    user's every process (PRIO_USER), or move its CPUs, policy and I/O class. A ``sleep`` the test
+    starts stands for such a process: every call on it is refused with EPERM and it keeps its
+    limits, nice, policy, CPUs and I/O priority; the same calls on the code's own process still
+    work (``resource.setrlimit``, ``os.nice``, ``os.sched_setaffinity(0, ...)``), and so do
+    reading its limits and numpy (see ``SECCOMP_SELF_ONLY_CALLS``)."""
+    import ast
+    import ctypes
+    import platform
+
+    from pipelines.agent.sandbox import isolation
+
+    numbers = {"x86_64": (314, 251, 252), "aarch64": (274, 30, 31)}  # sched_setattr, ioprio_*
+    if platform.machine() not in numbers:
+        pytest.skip("no filter for this architecture")
+    setattr_nr, ioprio_set, ioprio_get = numbers[platform.machine()]
+    libc = ctypes.CDLL(None, use_errno=True)
+    who_process, idle_class = 1, 3 << 13  # IOPRIO_WHO_PROCESS, IOPRIO_CLASS_IDLE
+    # Without capabilities, as a user's process holds none: on a root host the kernel would else
+    # refuse all but prlimit to a process that holds fewer (the sandbox's) without the filter.
+    drop_and_sleep = ("import os\nfrom pipelines.agent.sandbox._zygote import drop_capabilities\n"
+                      "drop_capabilities()\nos.execvp('sleep', ['sleep', '60'])")
+    child = subprocess.Popen([sys.executable, "-c", drop_and_sleep], cwd=REPO,
+                             start_new_session=True)
+    try:
+        pid = child.pid
+        deadline = time.monotonic() + 30
+        while Path(f"/proc/{pid}/comm").read_text() != "sleep\n":
+            assert time.monotonic() < deadline and child.poll() is None
+            time.sleep(0.05)
+
+        def state() -> tuple:
+            limits = [line for line in Path(f"/proc/{pid}/limits").read_text().splitlines()
+                      if line.startswith(("Max open files", "Max cpu time"))]
+            stat = _proc_stat(pid)
+            return (limits, stat[16], stat[38], os.sched_getaffinity(pid),
+                    libc.syscall(ioprio_get, who_process, pid))  # nice, policy
+
+        before = state()
+        # A sched_attr (size, policy, flags, nice, ...): SCHED_OTHER at nice 19.
+        attr = "(ctypes.c_uint32 * 12)(48, 0, 0, 0, 19)"
+        calls = {
+            "prlimit": f"resource.prlimit({pid}, resource.RLIMIT_NOFILE, (7, 7))",
+            "prlimit cpu": f"resource.prlimit({pid}, resource.RLIMIT_CPU, (1, 1))",
+            "prlimit read": f"resource.prlimit({pid}, resource.RLIMIT_NOFILE)",
+            "setpriority": f"os.setpriority(os.PRIO_PROCESS, {pid}, 19)",
+            "setpriority group": f"os.setpriority(os.PRIO_PGRP, {pid}, 19)",
+            "sched_setaffinity": f"os.sched_setaffinity({pid}, {{min(os.sched_getaffinity(0))}})",
+            # (before SCHED_IDLE, which a process of the user's may not leave)
+            "sched_setattr": f"check(libc.syscall({setattr_nr}, {pid}, {attr}, 0))",
+            "sched_setscheduler": f"os.sched_setscheduler({pid}, os.SCHED_IDLE, "
+                                  "os.sched_param(0))",
+            "sched_setparam": f"os.sched_setparam({pid}, os.sched_param(0))",
+            "ioprio_set": f"check(libc.syscall({ioprio_set}, {who_process}, {pid}, "
+                          f"{idle_class}))",
+            # ... and on the code's own process, which still works:
+            "own setrlimit": "resource.setrlimit(resource.RLIMIT_NOFILE, "
+                             "(resource.getrlimit(resource.RLIMIT_NOFILE)[0] - 1, "
+                             "resource.getrlimit(resource.RLIMIT_NOFILE)[1]))",
+            "own prlimit": "resource.prlimit(0, resource.RLIMIT_CPU)",
+            "own nice": "os.nice(1)",
+            "own setpriority": "os.setpriority(os.PRIO_PROCESS, 0, "
+                               "min(19, os.getpriority(os.PRIO_PROCESS, 0) + 1))",
+            "own sched_setaffinity": "os.sched_setaffinity(0, os.sched_getaffinity(0))",
+            "own sched_setscheduler": "os.sched_setscheduler(0, os.SCHED_BATCH, "
+                                      "os.sched_param(0))",
+            "own sched_setattr": f"check(libc.syscall({setattr_nr}, 0, {attr}, 0))",
+            "own ioprio_set": f"check(libc.syscall({ioprio_set}, {who_process}, 0, "
+                              f"{idle_class}))",
+            "cpu_count": "assert os.cpu_count() >= 1",
+            "numpy": "import numpy; assert numpy.linalg.inv(numpy.eye(64)).trace() == 64",
+        }
+        code = ("import ctypes, os, resource\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+                "def check(r):\n    if r != 0:\n"
+                "        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))\n"
+                "res = {}\n"
+                + "".join(f"try:\n    {call}\n    res[{name!r}] = 'done'\n"
+                          f"except OSError as e:\n    res[{name!r}] = e.errno\n"
+                          for name, call in calls.items())
+                + "print(res)")
+        isolation._warned_rlimit = True  # the rlimit warning has its own test
+        with Sandbox(SandboxConfig(isolation="rlimit", timeout_s=30)) as s:
+            res = ast.literal_eval(_ok(s.run(code)).strip().splitlines()[-1])
+        assert res == {name: "done" if name.startswith(("own", "cpu", "numpy")) else 1
+                       for name in calls}, res
+        assert state() == before
+    finally:
+        child.kill()
+        child.wait()
+
+
 def _run_bpf(program: list[tuple[int, int, int, int]], arch: int, nr: int, *args: int) -> int:
     """What a classic-BPF seccomp program returns for a call with ``args`` (only the instructions
     ``seccomp_program`` uses: load a word of seccomp_data, and a constant, jeq, jge, ret)."""
     data = {0: nr & 0xFFFFFFFF, 4: arch}
-    data.update({16 + 8 * i: a & 0xFFFFFFFF for i, a in enumerate((*args, 0, 0))})
+    for i, a in enumerate((*args, 0, 0)):  # each argument's low word, then its high word
+        data.update({16 + 8 * i: a & 0xFFFFFFFF, 20 + 8 * i: a >> 32 & 0xFFFFFFFF})
     pc, acc = 0, 0
     while True:
         code, jt, jf, k = program[pc]
@@ -1014,9 +1116,11 @@ def test_seccomp_program_s_jumps_land_where_they_say(machine):
     """Every jump of the filter lands on the verdict it means, for each rule set: a call of
     another architecture is killed (i386 on x86_64, whose numbers are not the table's), an x32
     number refused, as are the denied calls, IPC's and the keyrings' calls, socket() and
-    socketpair() but for AF_UNIX and prctl(PR_SET_PDEATHSIG); every other call is allowed. rlimit mode's rules, each on its own
-    and together: setsid and setpgid, the file-metadata calls and ioctl()s (by the command's low
-    32 bits), socket() of every family, connect() and a socketpair() of a datagram type."""
+    socketpair() but for AF_UNIX and prctl(PR_SET_PDEATHSIG), the limit and scheduling setters
+    but on the caller (a pid's low 32 bits of 0); every other call is allowed. rlimit mode's
+    rules, each on its own and together: setsid and setpgid, the file-metadata calls and
+    ioctl()s (by the command's low 32 bits), socket() of every family, connect() and a
+    socketpair() of a datagram type."""
     import itertools
 
     from pipelines.agent.sandbox import _zygote as z
@@ -1041,6 +1145,23 @@ def test_seccomp_program_s_jumps_land_where_they_say(machine):
                        "request_key": 218, "keyctl": 219, "shmdt": 197}}[machine]
     shmdt = ipc.pop("shmdt")
     assert sorted(z.SECCOMP_IPC_CALLS[machine]) == sorted(ipc.values())
+    # The limit and scheduling setters, allowed on the caller only, and their getters (allowed).
+    self_only = {"x86_64": {"prlimit64": 302, "sched_setparam": 142, "sched_setscheduler": 144,
+                            "sched_setaffinity": 203, "sched_setattr": 314},
+                 "aarch64": {"prlimit64": 261, "sched_setparam": 118, "sched_setscheduler": 119,
+                             "sched_setaffinity": 122, "sched_setattr": 274}}[machine]
+    setpriority, ioprio_set = {"x86_64": (141, 251), "aarch64": (140, 30)}[machine]
+    getters = {"x86_64": {"getpriority": 140, "sched_getparam": 143, "sched_getaffinity": 204,
+                          "sched_getattr": 315, "ioprio_get": 252, "getrlimit": 97,
+                          "setrlimit": 160},
+               "aarch64": {"getpriority": 141, "sched_getparam": 121, "sched_getaffinity": 123,
+                           "sched_getattr": 275, "ioprio_get": 31, "getrlimit": 163,
+                           "setrlimit": 164}}[machine]
+    assert sorted(z.SECCOMP_SELF_ONLY_CALLS[machine]) == sorted(self_only.values())
+    assert (calls.setpriority, calls.ioprio_set) == (setpriority, ioprio_set)
+    prio_process, prio_pgrp, prio_user = 0, 1, 2
+    who_process, who_pgrp, who_user = 1, 2, 3
+    high = 0xFFFFFFFF_00000000  # a register's upper half, which the kernel does not read
     for keep_group, keep_meta, keep_sockets in itertools.product((False, True), repeat=3):
         arch, denied, checked = z.seccomp_rules(machine, keep_group, keep_meta, keep_sockets)
         assert arch == calls.arch
@@ -1083,6 +1204,21 @@ def test_seccomp_program_s_jumps_land_where_they_say(machine):
         for command in (getflags, fionread, setflags + 1, 0):
             assert verdict(calls.ioctl, 3, command) == allow
         assert verdict(calls.ioctl, setflags, 0) == allow  # the descriptor is not the command
+        # The limit and scheduling setters: on the caller (pid 0) only, by the pid's low word.
+        for nr in self_only.values():
+            for pid in (0, high, 1 << 32):
+                assert verdict(nr, pid, 7, 3) == allow, (nr, pid)
+            for pid in (1, 4321, 4321 | high, 0xFFFFFFFF, 1 << 31):
+                assert verdict(nr, pid, 0, 0) == eperm, (nr, pid)
+        for nr, process, others in ((setpriority, prio_process, (prio_pgrp, prio_user, 3)),
+                                    (ioprio_set, who_process, (0, who_pgrp, who_user))):
+            for which, who in ((process, 0), (process | high, high), (process, 1 << 32)):
+                assert verdict(nr, which, who, 19) == allow, (nr, which, who)
+            for which, who in ((process, 4321), (process, 4321 | high), (process, 0xFFFFFFFF),
+                               *((kind, 0) for kind in others), *((kind, 1000) for kind in others)):
+                assert verdict(nr, which, who, 19) == eperm, (nr, which, who)
+        for nr in getters.values():
+            assert verdict(nr, 4321, 4321) == allow, nr
 
 
 # Machine code (x86_64) that makes one i386 system call by ``int 0x80`` from a page below 4 GB
