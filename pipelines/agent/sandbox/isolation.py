@@ -104,13 +104,25 @@ def bwrap_available() -> bool:
         return _probe_bwrap()
 
 
+def interpreter() -> str:
+    """This interpreter as bubblewrap starts it: ``sys.executable`` with its folder resolved.
+
+    bubblewrap binds the runtime's real folders (``_runtime_paths``), so a venv reached through a
+    symlinked folder (a home that is a link to a larger disk, a checkout whose ``.venv`` links to
+    another) is not at ``sys.executable``'s path inside, and the probe failed: the sandbox fell
+    back to rlimit mode. The file itself is not resolved: a venv's ``python`` is a link to the base
+    interpreter, and only started by the venv's own path does it find the venv's site folders."""
+    folder, name = os.path.split(sys.executable)
+    return os.path.join(os.path.realpath(folder), name)
+
+
 @lru_cache(maxsize=1)
 def _probe_bwrap() -> bool:
     path = shutil.which("bwrap")
     if not path:
         return False
     try:
-        proc = subprocess.run([path, *(bwrap_args()), "--", sys.executable, "-I", "-c", "0"],
+        proc = subprocess.run([path, *(bwrap_args()), "--", interpreter(), "-I", "-c", "0"],
                               capture_output=True, timeout=30, check=False)
     except (OSError, subprocess.SubprocessError):
         return False

@@ -87,7 +87,7 @@ class Zygote:
         if self.mode == "bwrap":
             inside = isolation.SANDBOX_ZYGOTE_PATH
             argv = ["bwrap", *isolation.bwrap_args(), "--ro-bind", str(ZYGOTE_SCRIPT), inside,
-                    "--", sys.executable, "-I", "-B", inside, str(fd), "strict", roots]
+                    "--", isolation.interpreter(), "-I", "-B", inside, str(fd), "strict", roots]
             env = None
             cwd = None
         else:

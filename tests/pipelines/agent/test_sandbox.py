@@ -1753,6 +1753,33 @@ def test_strict_sandbox_works_with_a_runtime_under_tmp(tmp_path):
     assert (site / "probe_under_tmp.py").read_text() == "VALUE = 42\n"
 
 
+@strict
+def test_strict_sandbox_works_with_a_venv_reached_through_a_symlinked_folder(tmp_path):
+    # A home that links to a larger disk, or a checkout whose .venv links to another: bubblewrap
+    # binds the runtime's real folders, so the interpreter must be started by its resolved folder
+    # (it fell back to rlimit mode with "bwrap cannot create namespaces").
+    linked = tmp_path / "linked-venv"
+    linked.symlink_to(Path(sys.prefix).resolve(), target_is_directory=True)
+    python = linked / "bin" / Path(sys.executable).name
+    script = (
+        "import sys\n"
+        f"sys.path.insert(0, {str(REPO)!r})\n"
+        "from pipelines.agent.sandbox import Sandbox, bwrap_available, isolation\n"
+        "from pipelines.config.sandbox import SandboxConfig\n"
+        "assert bwrap_available(), 'bwrap cannot start this interpreter'\n"
+        "print(sys.executable, isolation.interpreter())\n"
+        "with Sandbox(SandboxConfig(isolation='bwrap', timeout_s=10)) as s:\n"
+        "    r = s.run('import numpy\\nprint(numpy.ones(3).sum())')\n"
+        "    print(r.status, r.stdout.strip())\n")
+    out = subprocess.run([str(python), "-c", script], capture_output=True, text=True,
+                         timeout=120, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    executable, resolved, status, printed = out.stdout.split()
+    assert executable == str(python) and resolved == str(Path(sys.prefix).resolve() / "bin" /
+                                                         python.name)
+    assert (status, printed) == ("ok", "3.0")
+
+
 @pytest.mark.parametrize("mode", ["rlimit", pytest.param("bwrap", marks=strict)])
 def test_libraries_outside_site_packages_reach_the_sandbox(tmp_path, monkeypatch, mode):
     # `python -I` ignores PYTHONPATH: a preloaded library installed with `pip install --target`
