@@ -905,6 +905,22 @@ def test_tempfile_makes_its_files_in_the_sandbox_s_own_folder(mode):
         assert _ok(s.run(code)).strip() == "[True, True, True] True"
 
 
+def _each_call_in_a_sandbox(mode: str, prelude: str, per_call: str,
+                            calls: dict[str, str]) -> dict:
+    """Run ``prelude``, then ``per_call`` (formatted with each ``name`` and ``call``, recording
+    into ``res``) for every call, in one sandbox of ``mode``; return ``res``."""
+    import ast
+
+    from pipelines.agent.sandbox import isolation
+
+    code = (prelude + "res = {}\n"
+            + "".join(per_call.format(name=name, call=call) for name, call in calls.items())
+            + "print(res)")
+    isolation._warned_rlimit = True  # the rlimit warning has its own test
+    with Sandbox(SandboxConfig(isolation=mode, timeout_s=30)) as s:
+        return ast.literal_eval(_ok(s.run(code)).strip().splitlines()[-1])
+
+
 @pytest.mark.parametrize("mode", ["rlimit", pytest.param("bwrap", marks=strict)])
 def test_no_ipc_object_or_kernel_keyring_of_the_host_is_reachable(mode):
     """In rlimit mode the code runs as the user's uid in the host's IPC namespace, and Landlock
@@ -915,11 +931,8 @@ def test_no_ipc_object_or_kernel_keyring_of_the_host_is_reachable(mode):
     keyring the host started with is the sandbox's in every mode, with the keys the user keeps
     there. The seccomp filter refuses those calls with EPERM (``SECCOMP_IPC_CALLS``); in
     bubblewrap mode the host's objects are not visible at all (its own IPC namespace)."""
-    import ast
     import ctypes
     import platform
-
-    from pipelines.agent.sandbox import isolation
 
     keyring_calls = {"x86_64": (248, 249, 250), "aarch64": (217, 218, 219)}  # add_key ... keyctl
     if platform.machine() not in keyring_calls:
@@ -960,16 +973,11 @@ def test_no_ipc_object_or_kernel_keyring_of_the_host_is_reachable(mode):
             "add_key": f"libc.syscall({add_key}, b'user', b'pyvision', b'x', 1, -2)",
             "request_key": f"libc.syscall({request_key}, b'user', b'pyvision', None, 0)",
         }
-        code = ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
-                "libc.shmat.restype = ctypes.c_void_p\nbuf = ctypes.create_string_buffer(256)\n"
-                "res = {}\n"
-                + "".join(f"ctypes.set_errno(0)\nr = {call}\n"
-                          f"res[{name!r}] = (-1 if r == 2 ** 64 - 1 else r, ctypes.get_errno())\n"
-                          for name, call in calls.items())
-                + "print(res)")
-        isolation._warned_rlimit = True  # the rlimit warning has its own test
-        with Sandbox(SandboxConfig(isolation=mode, timeout_s=20)) as s:
-            res = ast.literal_eval(_ok(s.run(code)).strip().splitlines()[-1])
+        res = _each_call_in_a_sandbox(
+            mode, "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            "libc.shmat.restype = ctypes.c_void_p\nbuf = ctypes.create_string_buffer(256)\n",
+            "ctypes.set_errno(0)\nr = {call}\n"
+            "res[{name!r}] = (-1 if r == 2 ** 64 - 1 else r, ctypes.get_errno())\n", calls)
         made = {"msgget": res["msgget"][0], "semget": res["semget"][0]}  # (what a bug made)
         # EPERM, which glibc's mq_unlink reports as EACCES (the queue is still there: below).
         assert res == {name: (-1, 13 if name == "mq_unlink" else 1) for name in calls}, res
@@ -1006,11 +1014,8 @@ def test_rlimit_mode_cannot_change_the_limits_or_scheduling_of_the_user_s_other_
     limits, nice, policy, CPUs and I/O priority; the same calls on the code's own process still
     work (``resource.setrlimit``, ``os.nice``, ``os.sched_setaffinity(0, ...)``), and so do
     reading its limits and numpy (see ``SECCOMP_SELF_ONLY_CALLS``)."""
-    import ast
     import ctypes
     import platform
-
-    from pipelines.agent.sandbox import isolation
 
     numbers = {"x86_64": (314, 251, 252), "aarch64": (274, 30, 31)}  # sched_setattr, ioprio_*
     if platform.machine() not in numbers:
@@ -1072,17 +1077,12 @@ def test_rlimit_mode_cannot_change_the_limits_or_scheduling_of_the_user_s_other_
             "cpu_count": "assert os.cpu_count() >= 1",
             "numpy": "import numpy; assert numpy.linalg.inv(numpy.eye(64)).trace() == 64",
         }
-        code = ("import ctypes, os, resource\nlibc = ctypes.CDLL(None, use_errno=True)\n"
-                "def check(r):\n    if r != 0:\n"
-                "        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))\n"
-                "res = {}\n"
-                + "".join(f"try:\n    {call}\n    res[{name!r}] = 'done'\n"
-                          f"except OSError as e:\n    res[{name!r}] = e.errno\n"
-                          for name, call in calls.items())
-                + "print(res)")
-        isolation._warned_rlimit = True  # the rlimit warning has its own test
-        with Sandbox(SandboxConfig(isolation="rlimit", timeout_s=30)) as s:
-            res = ast.literal_eval(_ok(s.run(code)).strip().splitlines()[-1])
+        res = _each_call_in_a_sandbox(
+            "rlimit", "import ctypes, os, resource\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            "def check(r):\n    if r != 0:\n"
+            "        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))\n",
+            "try:\n    {call}\n    res[{name!r}] = 'done'\n"
+            "except OSError as e:\n    res[{name!r}] = e.errno\n", calls)
         assert res == {name: "done" if name.startswith(("own", "cpu", "numpy")) else 1
                        for name in calls}, res
         assert state() == before
