@@ -50,6 +50,15 @@ def _options(task: Task) -> dict[str, str]:
     return {chr(65 + i): o for i, o in enumerate(task.options)}
 
 
+def _named_options(task: Task) -> str:
+    """The options table of a colour choice, each option's name then its value
+    (``"A": (" cyan", (40, 200, 210))``): the name is copied from the question's option line of the
+    same letter, and the value follows the name it belongs to. The name keeps its leading space so
+    that it is the question's own token (`` cyan``, as in ``(A) cyan``); ``("cyan"`` would split
+    into ``("`` and ``cyan``, a token the question never shows."""
+    return ", ".join(f'"{k}": (" {c}", {_rgb(c)})' for k, c in _options(task).items())
+
+
 def _colour_in(question: str) -> str:
     for name in PALETTE:
         if re.search(rf"\b{name}\b", question):
@@ -90,14 +99,12 @@ def _image_steps(task: Task, rng: random.Random) -> list[Step]:
     load = f"{a} = np.asarray(image_clue_0).astype(int)\n"
     if fam == "color":
         if task.answer_type == "choice":
-            consts = _consts(*_options(task).values())
-            table = ", ".join(f'"{k}": {c}' for k, c in _options(task).items())
+            table, value = _named_options(task), "options[k][1]"
         else:
-            consts = ""
-            table = ", ".join(f'"{c}": {_rgb(c)}' for c in PALETTE)
+            table, value = ", ".join(f'"{c}": {_rgb(c)}' for c in PALETTE), "options[k]"
         code = (load + f"{m} = ({a}.max(-1) - {a}.min(-1)) > 80\nrgb = {a}[{m}].mean(0)\n"
-                f"{consts}options = {{{table}}}\n"
-                "print(min(options, key=lambda k: np.abs(rgb - options[k]).sum()))")
+                f"options = {{{table}}}\n"
+                f"print(min(options, key=lambda k: np.abs(rgb - {value}).sum()))")
         thought = rng.choice([("Everything but the target is grey, so I take the mean colour of the "
                                "saturated pixels and compare it with the options."),
                               "I find the coloured pixels and match their mean colour."])
@@ -161,11 +168,10 @@ def _video_steps(task: Task, rng: random.Random) -> list[Step]:
                                "last frames.")])
         return [Step(thought, code)]
     if fam == "order":
-        table = ", ".join(f'"{k}": {c}' for k, c in _options(task).items())
-        code = (f"{_consts(*_options(task).values())}options = {{{table}}}\n"
+        code = (f"options = {{{_named_options(task)}}}\n"
                 "frames = video_clue_0.get_batch(range(len(video_clue_0))).asnumpy().astype(int)\n"
                 "first = {k: int(np.argmax([(np.abs(x - c).sum(-1) < 90).sum() > 20 for x in frames])) "
-                "for k, c in options.items()}\nprint(first)\nprint(min(first, key=first.get))")
+                "for k, (name, c) in options.items()}\nprint(first)\nprint(min(first, key=first.get))")
         thought = rng.choice(["For each option's colour I find the first frame where it is visible.",
                               "I check every frame for each colour and take the earliest."])
         return [Step(thought, code)]

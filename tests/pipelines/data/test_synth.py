@@ -6,6 +6,7 @@ import contextlib
 import io
 import json
 import random
+import re
 import shutil
 from pathlib import Path
 
@@ -181,12 +182,20 @@ def test_plans_restate_the_question_and_name_their_colours(image_set, video_set)
             p = plan(t, random.Random(0))
             assert p.steps[0].thought.startswith(f"The question: {t.question.splitlines()[0]}\n")
             code = "\n".join(s.code for s in p.steps)
-            # Every colour triple in the code is bound to its name, and only names are used after.
+            # Every colour triple in the code follows its own name (``cyan = (40, 200, 210)``,
+            # ``"A": (" cyan", (40, 200, 210))`` or the free-form table's ``"cyan": (...)``), and
+            # the code never names a colour it has not given a value (no NameError to copy).
             for line in code.splitlines():
                 for name, (r, g, b) in PALETTE.items():
-                    triple = f"({r}, {g}, {b})"
-                    if triple in line and not line.startswith(f"{name} = "):
-                        assert line.lstrip().startswith("options = {\"red\"")  # free-form table
+                    for at in [i for i in range(len(line)) if line.startswith(f"({r}, {g}, {b})", i)]:
+                        assert re.search(rf'\b{name}(?: = |", |": )$', line[:at]), line
+            bound = set(re.findall(r"^(\w+) = \(\d+, \d+, \d+\)$", code, re.M))
+            used = {w for w in re.findall(r"\w+", re.sub(r'"[^"]*"', "", code)) if w in PALETTE}
+            assert used <= bound, (used - bound, code)
+            # A multiple-choice table names each option as the question does, by its letter.
+            if t.answer_type == "choice" and t.metadata["family"] in ("color", "order"):
+                for i, o in enumerate(t.options):
+                    assert f'"{chr(65 + i)}": (" {o}", ' in code
 
 
 def test_plan_code_uses_only_the_question(image_set):
