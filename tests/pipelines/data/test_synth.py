@@ -189,7 +189,7 @@ def test_plans_restate_the_question_and_name_their_colours(image_set, video_set)
                 for name, (r, g, b) in PALETTE.items():
                     for at in [i for i in range(len(line)) if line.startswith(f"({r}, {g}, {b})", i)]:
                         assert re.search(rf'\b{name}(?: = |", |": )$', line[:at]), line
-            bound = set(re.findall(r"^(\w+) = \(\d+, \d+, \d+\)$", code, re.M))
+            bound = set(re.findall(r"^(\w+) = \(\d+, \d+, \d+\)$", code, re.MULTILINE))
             used = {w for w in re.findall(r"\w+", re.sub(r'"[^"]*"', "", code)) if w in PALETTE}
             assert used <= bound, (used - bound, code)
             # A multiple-choice table names each option as the question does, by its letter.
