@@ -235,7 +235,8 @@ def test_trainer_log_probs_use_the_3d_positions_the_processor_gives(fixture, siz
 # more trajectories; at one epoch on these 100 the model mostly writes malformed answers
 # (expected reward -0.42), so this check pins the three epochs it was measured with.
 HALF = [
-    "seed=0", "sft.num_train_epochs=3", "data.synth.image_search.n_train=200", "data.synth.image_search.n_heldout=0",
+    "seed=0", "sft.num_train_epochs=3", "data.synth.image_search.n_train=200",
+    "data.synth.image_search.n_heldout=0",
     "data.synth.image_search.families=[color]", "data.synth.video.n_train=0",
     "data.synth.video.n_heldout=0", "data.synth.sft_fraction=0.5", "rl.local.threads=1",
     "reward.judge.base_url=null",
@@ -245,9 +246,9 @@ HALF = [
 @pytest.mark.slow
 def test_demo_rl_settings_raise_the_reward_of_prompts_the_sft_model_half_solves(tmp_path,
                                                                                 monkeypatch):
-    """The demo's base, SFT and RL settings (tiny-cpu.yaml): after a short SFT on the colour
-    family, twelve engine steps on a fixed batch of prompts it half-solves raise their expected
-    reward (16 fresh samples per prompt before and after, paired 95% interval above zero).
+    """The demo's base and RL settings (tiny-cpu.yaml; its SFT but for three epochs, see HALF):
+    after a short SFT on the colour family, twelve engine steps on a fixed batch of prompts it
+    half-solves raise their expected reward (16 fresh samples per prompt before and after, paired 95% interval above zero).
     Measured (eight rollouts a prompt, two passes): 0.04 -> 0.58, +0.54 [+0.19, +0.85]; with the
     solvers' name-keeping options tables (b9bb138), 0.28 -> 0.90, +0.62 [+0.43, +0.82]; with
     four rollouts and four passes 0.04 -> 0.33, +0.29 [+0.06, +0.47], and eight steps were not
