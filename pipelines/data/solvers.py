@@ -183,11 +183,14 @@ def plan(task: Task, rng: random.Random) -> SolverPlan:
     steps = _video_steps(task, rng) if task.video else _image_steps(task, rng)
     if rng.random() < 0.5 and task.metadata.get("family") != "text":
         steps = [rng.choice(LOOK_VIDEO if task.video else LOOK_IMAGE)] + steps
-    # The agent first restates what it is asked, as careful agents do; the words it then needs
-    # (a colour, the kind of question) are copied from its own recent text.
-    first = steps[0]
+    # Every step restates what it is asked, as careful agents do; the words its code then needs
+    # (a colour, the kind of question) are copied from its own recent text. Restated on the first
+    # step only, a measurement that followed a first look had the question behind the frames and
+    # an interpreter turn, and the one-epoch SFT model of seed 1 wrote the wrong family's code
+    # there: counting code for 59 of 64 order questions and for all 23 colour choices it looked at
+    # first (docs/tiny-recipe.md).
     asked = task.question.strip().splitlines()[0]
-    steps[0] = Step(f"The question: {asked}\n{first.thought}", first.code)
+    steps = [Step(f"The question: {asked}\n{s.thought}", s.code) for s in steps]
     answer = task.metadata.get("word") if task.metadata.get("family") == "text" else task.answer
     closing = rng.choice(CLOSING).format(answer=answer)
     if task.metadata.get("family") == "text":

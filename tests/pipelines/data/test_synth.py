@@ -180,7 +180,8 @@ def test_plans_restate_the_question_and_name_their_colours(image_set, video_set)
         tasks, _ = read_tasks(root)
         for t in tasks:
             p = plan(t, random.Random(0))
-            assert p.steps[0].thought.startswith(f"The question: {t.question.splitlines()[0]}\n")
+            for step in p.steps:
+                assert step.thought.startswith(f"The question: {t.question.splitlines()[0]}\n")
             code = "\n".join(s.code for s in p.steps)
             # Every colour triple in the code follows its own name (``cyan = (40, 200, 210)``,
             # ``"A": (" cyan", (40, 200, 210))`` or the free-form table's ``"cyan": (...)``), and
