@@ -248,7 +248,8 @@ def test_demo_rl_settings_raise_the_reward_of_prompts_the_sft_model_half_solves(
                                                                                 monkeypatch):
     """The demo's base and RL settings (tiny-cpu.yaml; its SFT but for three epochs, see HALF):
     after a short SFT on the colour family, twelve engine steps on a fixed batch of prompts it
-    half-solves raise their expected reward (16 fresh samples per prompt before and after, paired 95% interval above zero).
+    half-solves raise their expected reward (16 fresh samples per prompt before and after,
+    paired 95% interval above zero).
     Measured (eight rollouts a prompt, two passes): 0.04 -> 0.58, +0.54 [+0.19, +0.85]; with the
     solvers' name-keeping options tables (b9bb138), 0.28 -> 0.90, +0.62 [+0.43, +0.82]; with
     four rollouts and four passes 0.04 -> 0.33, +0.29 [+0.06, +0.47], and eight steps were not
