@@ -6,9 +6,10 @@ runtime (``image_clue_0`` / ``video_clue_0``); it never reads the generator's hi
 The last line printed by the last step is exactly the answer (a colour, an integer or an option
 letter), so a model that learns the behaviour learns to copy the result into ``\\boxed{}``.
 
-Code and reasoning vary (2-4 equivalent code variants per family, paraphrased thoughts, an
-optional first look at the whole image or a few frames) so that a model learns the behaviour
-rather than one string, but stay short: the embedded demo teaches them to a tiny model.
+Code and reasoning vary (two spellings of the image code, paraphrased thoughts, an optional first
+look at the whole image or a few frames) so that a model learns the behaviour rather than one
+string, but stay short: the embedded demo teaches them to a tiny model. Code for a video opens by
+reading the video, so no video family's code starts like an image family's.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ CLOSING = [
     "From the output, the answer is {answer}.",
     "The result is {answer}.",
 ]
-# Two spellings of the same code, so the model learns the behaviour rather than one string.
+# Two spellings of the image code, so the model learns the behaviour rather than one string.
 NAMES = [("a", "m"), ("arr", "mask")]
 
 
@@ -148,20 +149,26 @@ def _image_steps(task: Task, rng: random.Random) -> list[Step]:
 def _video_steps(task: Task, rng: random.Random) -> list[Step]:
     fam = task.metadata["family"]
     q = task.question
-    f, m = rng.choice([("f", "m"), ("frame", "mask")])
+    # Video code opens by reading the video, before any line it shares with an image family's code,
+    # and spells its names one way. Counting once opened like the image's counting (``from scipy
+    # import ndimage``, the colour constant): RL that reinforced the image's next line
+    # (``np.asarray(image_clue_0)``) wrote it into the video's counting code too, and seed 2's RL
+    # fell behind its SFT model on video (docs/tiny-recipe.md).
+    f, m = "frame", "mask"
     if fam == "count":
         colour = _colour_in(q)
-        code = (f"from scipy import ndimage\n{_consts(colour)}"
-                f"{f} = video_clue_0[len(video_clue_0) // 2].asnumpy().astype(int)\n"
+        code = (f"{f} = video_clue_0[len(video_clue_0) // 2].asnumpy().astype(int)\n"
+                f"from scipy import ndimage\n{_consts(colour)}"
                 f"{m} = np.abs({f} - {colour}).sum(-1) < 90\nprint(ndimage.label({m})[1])")
         thought = rng.choice([f"Every object stays in view, so I count the {colour} blobs in one frame.",
                               f"I count the {colour} objects in the middle frame."])
         return [Step(thought, code)]
     if fam == "distance":
         colour = _colour_in(q)
-        code = (f"{_consts(colour)}def x(i):\n    {f} = video_clue_0[i].asnumpy().astype(int)\n"
+        code = (f"last = len(video_clue_0) - 1\n{_consts(colour)}"
+                f"def x(i):\n    {f} = video_clue_0[i].asnumpy().astype(int)\n"
                 f"    return np.nonzero(np.abs({f} - {colour}).sum(-1) < 90)[1].mean()\n"
-                "print(round(abs(x(len(video_clue_0) - 1) - x(0))))")
+                "print(round(abs(x(last) - x(0))))")
         thought = rng.choice([(f"I locate the {colour} object in the first and the last frame and "
                                "measure how far it moved."),
                               ("The distance is between the object's positions in the first and "

@@ -199,6 +199,27 @@ def test_plans_restate_the_question_and_name_their_colours(image_set, video_set)
                     assert f'"{chr(65 + i)}": (" {o}", ' in code
 
 
+def test_no_video_code_opens_like_image_code(image_set, video_set):
+    """Which medium a step reads is settled on its code's first line: a video step never opens with
+    a line an image step opens with (colour constants compared by shape, whatever the colour).
+    Video counting once opened like image counting, and RL on the image's code rewrote the video's
+    (docs/tiny-recipe.md)."""
+    def openings(root: Path) -> dict[str, set[str]]:
+        out: dict[str, set[str]] = {}
+        for t in read_tasks(root)[0]:
+            for seed in range(8):
+                for step in plan(t, random.Random(seed)).steps:
+                    first = re.sub(r"^\w+ = \(\d+, \d+, \d+\)$", "COLOUR = (R, G, B)",
+                                   step.code.splitlines()[0])
+                    out.setdefault(first, set()).add(t.metadata["family"])
+        return out
+
+    image, video = openings(image_set), openings(video_set)
+    assert {f for fams in video.values() for f in fams} == {"count", "distance", "order"}
+    assert "from scipy import ndimage" in image and "COLOUR = (R, G, B)" in image
+    assert not set(image) & set(video), {k: (image[k], video[k]) for k in set(image) & set(video)}
+
+
 def test_plan_code_uses_only_the_question(image_set):
     tasks, _ = read_tasks(image_set)
     for t in tasks:
