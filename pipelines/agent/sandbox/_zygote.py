@@ -30,6 +30,7 @@ import io
 import json
 import mmap
 import os
+import random
 import resource
 import select
 import shutil
@@ -1817,6 +1818,10 @@ def worker_main(sock: socket.socket, limits: dict, preloaded: dict, mode: str, w
     # What TMPDIR says, for the code's tempfile calls too: the module read its folder once, in
     # the zygote (``mkdtemp`` of each rlimit sandbox's folder), which the worker may not write.
     tempfile.tempdir = workdir
+    # Every sandbox starts from the same random state (the zygote's was drawn from the OS when it
+    # imported the modules), so code that samples gives the same numbers on every run.
+    random.seed(0)
+    preloaded["np"].random.seed(0)
     runtime = Runtime(preloaded, limits, output)
     Image = preloaded["Image"]
     for spec in init.get("media", []):

@@ -13,6 +13,7 @@ import errno
 import io
 import json
 import os
+import re
 import signal
 import socket
 import struct
@@ -57,6 +58,10 @@ SHOWN_IMAGE_BYTES = SHOWN_IMAGE_MAX_PIXELS * 3
 IMAGES_GRACE_S = 5.0
 # What the worker's own truncation adds to a text of max_output_chars (its marker line).
 _MARKER_ROOM = 96
+# An object's address in its repr (``<PIL.PngImageFile ... at 0x7FE73B92D6D0>``, ``<function f at
+# 0x7f...>``): it changes from run to run, and printed into the context it made two runs of one seed
+# sample different tokens. Renumbered per sandbox (``at 0x1``, ``at 0x2``, in order of appearance).
+_ADDRESS = re.compile(r"\bat 0x[0-9a-fA-F]{6,16}(?![0-9a-fA-F])")
 # A worker that cannot load its media writes one stderr line "sandbox worker <id>: <reason>" and
 # exits with this code (as in _zygote.py, which cannot import this package).
 SETUP_FAILED_EXIT = 72
@@ -304,6 +309,7 @@ class Sandbox:
         self._sid = ""
         self._restarted = False
         self._closed = False
+        self._addresses: dict[str, str] = {}
         # The worker's socket and output buffer change hands under this lock: the agent loop may
         # close a sandbox (its exception path) while a pool thread is in ``run``.
         self._state = threading.Lock()
@@ -438,7 +444,15 @@ class Sandbox:
         if not isinstance(duration, (int, float)) or not 0 <= duration <= took + 1.0:
             duration = took
         truncated = header.get("truncated") is True or cut_out or cut_err
-        return ExecResult(status, note + stdout, stderr, frames, float(duration), truncated)
+        return ExecResult(status, note + self._steady(stdout), self._steady(stderr), frames,
+                          float(duration), truncated)
+
+    def _steady(self, text: str) -> str:
+        """``text`` with each object address renumbered (the same address, the same number, for
+        the sandbox's life), so the same code prints the same text on every run."""
+        def number(match: re.Match) -> str:
+            return self._addresses.setdefault(match[0].lower(), f"at 0x{len(self._addresses) + 1:x}")
+        return _ADDRESS.sub(number, text)
 
     @staticmethod
     def _fits(img: Any) -> bool:
@@ -454,7 +468,8 @@ class Sandbox:
         """The result of a call whose process is gone: what the code printed before (from the
         shared output buffer, bounded), then the reason."""
         stdout, truncated = self._printed_before()
-        return ExecResult(status, note + stdout, reason, [], time.monotonic() - start, truncated)
+        return ExecResult(status, note + self._steady(stdout), reason, [],
+                          time.monotonic() - start, truncated)
 
     def _printed_before(self) -> tuple[str, bool]:
         with self._state:  # whoever takes the descriptor closes it

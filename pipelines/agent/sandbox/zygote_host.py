@@ -84,15 +84,19 @@ class Zygote:
         host, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         fd = child.fileno()
         roots = os.pathsep.join(isolation.import_roots())
+        # -s -P (no user site, no script folder on the path) rather than -I: -I would also ignore
+        # the environment's PYTHONHASHSEED, and set order would change from run to run. The
+        # environment is the sandbox's own (isolation.sandbox_env), nothing of the host's.
         if self.mode == "bwrap":
             inside = isolation.SANDBOX_ZYGOTE_PATH
             argv = ["bwrap", *isolation.bwrap_args(), "--ro-bind", str(ZYGOTE_SCRIPT), inside,
-                    "--", isolation.interpreter(), "-I", "-B", inside, str(fd), "strict", roots]
+                    "--", isolation.interpreter(), "-s", "-P", "-B", inside, str(fd), "strict",
+                    roots]
             env = None
             cwd = None
         else:
             self.tmp_base = tempfile.mkdtemp(prefix="pyvision-sandbox-")
-            argv = [sys.executable, "-I", "-B", str(ZYGOTE_SCRIPT), str(fd), "rlimit", roots]
+            argv = [sys.executable, "-s", "-P", "-B", str(ZYGOTE_SCRIPT), str(fd), "rlimit", roots]
             env = {**isolation.sandbox_env(), "HOME": self.tmp_base,
                    "MPLCONFIGDIR": self.tmp_base, "TMPDIR": self.tmp_base}
             cwd = self.tmp_base
