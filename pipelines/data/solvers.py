@@ -150,7 +150,7 @@ def _video_steps(task: Task, rng: random.Random) -> list[Step]:
     fam = task.metadata["family"]
     q = task.question
     # Video code opens by reading the video, before any line it shares with an image family's code,
-    # and spells its names one way. Counting once opened like the image's counting (``from scipy
+    # spells its names one way, and names no table as image code does. Counting once opened like the image's counting (``from scipy
     # import ndimage``, the colour constant): RL that reinforced the image's next line
     # (``np.asarray(image_clue_0)``) wrote it into the video's counting code too, and seed 2's RL
     # fell behind its SFT model on video (docs/tiny-recipe.md).
@@ -175,10 +175,14 @@ def _video_steps(task: Task, rng: random.Random) -> list[Step]:
                                "last frames.")])
         return [Step(thought, code)]
     if fam == "order":
-        code = (f"options = {{{_named_options(task)}}}\n"
-                "frames = video_clue_0.get_batch(range(len(video_clue_0))).asnumpy().astype(int)\n"
+        # Reads the frames first, and names its table ``colours``: opened with ``options = {...}``,
+        # the very line image colour choices write, RL that reinforced the image's next line wrote
+        # it into the video's code, and seed 0's order questions fell from 100% to 66% in two RL
+        # draws of three (docs/tiny-recipe.md).
+        code = ("frames = video_clue_0.get_batch(range(len(video_clue_0))).asnumpy().astype(int)\n"
+                f"colours = {{{_named_options(task)}}}\n"
                 "first = {k: int(np.argmax([(np.abs(x - c).sum(-1) < 90).sum() > 20 for x in frames])) "
-                "for k, (name, c) in options.items()}\nprint(first)\nprint(min(first, key=first.get))")
+                "for k, (name, c) in colours.items()}\nprint(first)\nprint(min(first, key=first.get))")
         thought = rng.choice(["For each option's colour I find the first frame where it is visible.",
                               "I check every frame for each colour and take the earliest."])
         return [Step(thought, code)]
