@@ -6,9 +6,10 @@ runtime (``image_clue_0`` / ``video_clue_0``); it never reads the generator's hi
 The last line printed by the last step is exactly the answer (a colour, an integer or an option
 letter), so a model that learns the behaviour learns to copy the result into ``\\boxed{}``.
 
-Code and reasoning vary (two spellings of the image code, paraphrased thoughts, an optional first
-look at the whole image or a few frames) so that a model learns the behaviour rather than one
-string, but stay short: the embedded demo teaches them to a tiny model. Code for a video opens by
+Reasoning varies (paraphrased thoughts, an optional first look at the whole image or a few frames)
+so that a model learns the behaviour rather than one string; code spells each name one way, since a
+tiny model that learns two spellings mixes them. Both stay short: the embedded demo teaches them to
+a tiny model. Code for a video opens by
 reading the video, so no video family's code starts like an image family's.
 """
 
@@ -89,14 +90,17 @@ CLOSING = [
     "From the output, the answer is {answer}.",
     "The result is {answer}.",
 ]
-# Two spellings of the image code, so the model learns the behaviour rather than one string.
-NAMES = [("a", "m"), ("arr", "mask")]
+# The names image code gives the pixels and the mask, spelt one way. With two spellings
+# (``a``/``m`` and ``arr``/``mask``) the models mixed them (``arr = ...`` then ``np.abs(a - ...)``):
+# that NameError was the commonest failed call of all three demo seeds' SFT models, and from one
+# SFT model RL made it the rule (image counting 95% -> 32%; docs/tiny-recipe.md).
+ARRAY, MASK = "arr", "mask"
 
 
 def _image_steps(task: Task, rng: random.Random) -> list[Step]:
     fam = task.metadata["family"]
     q = task.question
-    a, m = rng.choice(NAMES)
+    a, m = ARRAY, MASK
     load = f"{a} = np.asarray(image_clue_0).astype(int)\n"
     if fam == "color":
         if task.answer_type == "choice":
@@ -150,10 +154,10 @@ def _video_steps(task: Task, rng: random.Random) -> list[Step]:
     fam = task.metadata["family"]
     q = task.question
     # Video code opens by reading the video, before any line it shares with an image family's code,
-    # spells its names one way, and names no table as image code does. Counting once opened like the image's counting (``from scipy
-    # import ndimage``, the colour constant): RL that reinforced the image's next line
-    # (``np.asarray(image_clue_0)``) wrote it into the video's counting code too, and seed 2's RL
-    # fell behind its SFT model on video (docs/tiny-recipe.md).
+    # and names no table as image code does. Counting once opened like the image's counting
+    # (``from scipy import ndimage``, the colour constant): RL that reinforced the image's next
+    # line (``np.asarray(image_clue_0)``) wrote it into the video's counting code too, and seed 2's
+    # RL fell behind its SFT model on video (docs/tiny-recipe.md).
     f, m = "frame", "mask"
     if fam == "count":
         colour = _colour_in(q)

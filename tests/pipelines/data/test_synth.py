@@ -242,6 +242,16 @@ def test_video_code_reads_the_video_first_and_names_no_table_as_image_code(image
     assert not image_tables & video_tables, image_tables & video_tables
 
 
+def test_measuring_code_is_spelt_one_way(image_set, video_set):
+    """A task's measuring code does not depend on the plan's random draws: names are spelt one way.
+    With two spellings of the image code (``a``/``m``, ``arr``/``mask``) the SFT models mixed them
+    into NameErrors, and RL from one of them made that the rule (docs/tiny-recipe.md)."""
+    for root in (image_set, video_set):
+        for t in read_tasks(root)[0]:
+            codes = {plan(t, random.Random(seed)).steps[-1].code for seed in range(8)}
+            assert len(codes) == 1, (t.metadata["family"], codes)
+
+
 def test_plan_code_uses_only_the_question(image_set):
     tasks, _ = read_tasks(image_set)
     for t in tasks:
