@@ -6,10 +6,9 @@ runtime (``image_clue_0`` / ``video_clue_0``); it never reads the generator's hi
 The last line printed by the last step is exactly the answer (a colour, an integer or an option
 letter), so a model that learns the behaviour learns to copy the result into ``\\boxed{}``.
 
-Reasoning varies (paraphrased thoughts, an optional first look at the whole image or a few frames)
-so that a model learns the behaviour rather than one string; code spells each name one way, since a
-tiny model that learns two spellings mixes them. Both stay short: the embedded demo teaches them to
-a tiny model. Code for a video opens by
+Code and reasoning vary (two spellings of the image code, paraphrased thoughts, an optional first
+look at the whole image or a few frames) so that a model learns the behaviour rather than one
+string, but stay short: the embedded demo teaches them to a tiny model. Code for a video opens by
 reading the video, so no video family's code starts like an image family's.
 """
 
@@ -90,17 +89,14 @@ CLOSING = [
     "From the output, the answer is {answer}.",
     "The result is {answer}.",
 ]
-# The names image code gives the pixels and the mask, spelt one way. With two spellings
-# (``a``/``m`` and ``arr``/``mask``) the models mixed them (``arr = ...`` then ``np.abs(a - ...)``):
-# that NameError was the commonest failed call of all three demo seeds' SFT models, and from one
-# SFT model RL made it the rule (image counting 95% -> 32%; docs/tiny-recipe.md).
-ARRAY, MASK = "arr", "mask"
+# Two spellings of the image code, so the model learns the behaviour rather than one string.
+NAMES = [("a", "m"), ("arr", "mask")]
 
 
 def _image_steps(task: Task, rng: random.Random) -> list[Step]:
     fam = task.metadata["family"]
     q = task.question
-    a, m = ARRAY, MASK
+    a, m = rng.choice(NAMES)
     load = f"{a} = np.asarray(image_clue_0).astype(int)\n"
     if fam == "color":
         if task.answer_type == "choice":
@@ -154,10 +150,10 @@ def _video_steps(task: Task, rng: random.Random) -> list[Step]:
     fam = task.metadata["family"]
     q = task.question
     # Video code opens by reading the video, before any line it shares with an image family's code,
-    # and names no table as image code does. Counting once opened like the image's counting
-    # (``from scipy import ndimage``, the colour constant): RL that reinforced the image's next
-    # line (``np.asarray(image_clue_0)``) wrote it into the video's counting code too, and seed 2's
-    # RL fell behind its SFT model on video (docs/tiny-recipe.md).
+    # and spells its names one way. Counting once opened like the image's counting (``from scipy
+    # import ndimage``, the colour constant): RL that reinforced the image's next line
+    # (``np.asarray(image_clue_0)``) wrote it into the video's counting code too, and seed 2's RL
+    # fell behind its SFT model on video (docs/tiny-recipe.md).
     f, m = "frame", "mask"
     if fam == "count":
         colour = _colour_in(q)
@@ -179,14 +175,10 @@ def _video_steps(task: Task, rng: random.Random) -> list[Step]:
                                "last frames.")])
         return [Step(thought, code)]
     if fam == "order":
-        # Reads the frames first, and names its table ``colours``: opened with ``options = {...}``,
-        # the very line image colour choices write, RL that reinforced the image's next line wrote
-        # it into the video's code, and seed 0's order questions fell from 100% to 66% in two RL
-        # draws of three (docs/tiny-recipe.md).
-        code = ("frames = video_clue_0.get_batch(range(len(video_clue_0))).asnumpy().astype(int)\n"
-                f"colours = {{{_named_options(task)}}}\n"
+        code = (f"options = {{{_named_options(task)}}}\n"
+                "frames = video_clue_0.get_batch(range(len(video_clue_0))).asnumpy().astype(int)\n"
                 "first = {k: int(np.argmax([(np.abs(x - c).sum(-1) < 90).sum() > 20 for x in frames])) "
-                "for k, (name, c) in colours.items()}\nprint(first)\nprint(min(first, key=first.get))")
+                "for k, (name, c) in options.items()}\nprint(first)\nprint(min(first, key=first.get))")
         thought = rng.choice(["For each option's colour I find the first frame where it is visible.",
                               "I check every frame for each colour and take the earliest."])
         return [Step(thought, code)]

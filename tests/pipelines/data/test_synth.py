@@ -220,38 +220,6 @@ def test_no_video_code_opens_like_image_code(image_set, video_set):
     assert not set(image) & set(video), {k: (image[k], video[k]) for k in set(image) & set(video)}
 
 
-def test_video_code_reads_the_video_first_and_names_no_table_as_image_code(image_set, video_set):
-    """Every video step's first line reads the video, and the option tables of the two media have
-    different names. Video ordering once opened with ``options = {...}``, the line image colour
-    choices write before their own next line, and RL on the image's code wrote that line into the
-    video's (docs/tiny-recipe.md)."""
-    def steps(root: Path) -> list[tuple[str, str]]:
-        return [(t.metadata["family"], step.code) for t in read_tasks(root)[0]
-                for seed in range(8) for step in plan(t, random.Random(seed)).steps]
-
-    def tables(root: Path) -> set[str]:
-        return {m.group(1) for _, code in steps(root)
-                for m in re.finditer(r'^(\w+) = \{"A": ', code, re.MULTILINE)}
-
-    video = steps(video_set)
-    assert {fam for fam, _ in video} == {"count", "distance", "order"}
-    assert all("video_clue_0" in code.splitlines()[0] for _, code in video), \
-        [code.splitlines()[0] for _, code in video if "video_clue_0" not in code.splitlines()[0]]
-    image_tables, video_tables = tables(image_set), tables(video_set)
-    assert "options" in image_tables and video_tables  # both media write tables
-    assert not image_tables & video_tables, image_tables & video_tables
-
-
-def test_measuring_code_is_spelt_one_way(image_set, video_set):
-    """A task's measuring code does not depend on the plan's random draws: names are spelt one way.
-    With two spellings of the image code (``a``/``m``, ``arr``/``mask``) the SFT models mixed them
-    into NameErrors, and RL from one of them made that the rule (docs/tiny-recipe.md)."""
-    for root in (image_set, video_set):
-        for t in read_tasks(root)[0]:
-            codes = {plan(t, random.Random(seed)).steps[-1].code for seed in range(8)}
-            assert len(codes) == 1, (t.metadata["family"], codes)
-
-
 def test_plan_code_uses_only_the_question(image_set):
     tasks, _ = read_tasks(image_set)
     for t in tasks:
