@@ -46,6 +46,10 @@ def _valid_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
     return keys
 
 
+# Keys that moved, old -> new: a recipe that still uses the old one is told where it went.
+MOVED_KEYS = {"rl.verl.val_tasks": "rl.val_tasks"}
+
+
 def check_unknown_keys(model: type[BaseModel], data: Any, source: str, prefix: str = "") -> None:
     """Raise ConfigError for the first key in ``data`` that ``model`` does not declare."""
     if not isinstance(data, dict):
@@ -63,6 +67,8 @@ def check_unknown_keys(model: type[BaseModel], data: Any, source: str, prefix: s
                 close = [f"{prefix}{c}" for c in close]
             hint = f"did you mean '{close[0]}'?" if close else (
                 f"valid keys here: {', '.join(sorted(fields))}")
+            if dotted in MOVED_KEYS:
+                hint = f"it moved to '{MOVED_KEYS[dotted]}'"
             raise ConfigError(f"unknown config key '{dotted}' in {source}; {hint}",
                               hint="rename or remove the key")
         sub = _model_of(fields[name].annotation)

@@ -86,6 +86,12 @@ class LocalEngineConfig(Section):
     threads: int = Field(0, ge=0, le=1024)
     """torch CPU threads (0: torch's default)."""
 
+    test_freq: int = Field(-1, ge=-1, le=1_000_000)
+    """Validate every N steps, before the first and after the last, as verl's
+    `trainer.test_freq` (with `val_before_train`): greedy trajectories on `rl.val_tasks`, scored
+    by the reward's verifiers, logged as `val/*` step metrics (per data source too). -1 (the
+    default) disables it."""
+
 
 class VerlEngineConfig(Section):
     """Launch settings of verl (Ray, FSDP, vLLM rollouts)."""
@@ -119,10 +125,6 @@ class VerlEngineConfig(Section):
 
     test_freq: int = Field(20, ge=-1, le=1_000_000)
     """Validate every N steps (paper: 20; -1 disables)."""
-
-    val_tasks: list[str] = []
-    """Task folders for verl's validation every `test_freq` steps; empty: the data stage's
-    held-out synthetic sets, and without any, validation is off."""
 
     extra_overrides: list[str] = []
     """Hydra overrides appended verbatim (`key=value`), for settings not modelled here."""
@@ -185,6 +187,11 @@ class RLConfig(Section):
 
     freeze_vision_tower: bool = True
     """Keep the ViT frozen (paper default)."""
+
+    val_tasks: list[str] = []
+    """Task folders both engines validate on (every `rl.local.test_freq` or `rl.verl.test_freq`
+    steps); empty: the data stage's held-out synthetic sets, and without any, validation is
+    off."""
 
     mask_truncated: bool = False
     """Over-turn masking (Mini-o3): trajectories stopped by the turn limit or the context /

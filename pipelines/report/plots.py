@@ -7,8 +7,8 @@ from pathlib import Path
 from pipelines.report.collect import ReportData
 
 # Training curves worth plotting first when present (others follow alphabetically).
-CURVE_ORDER = ("reward/mean", "reward/accuracy", "reward/tool", "accuracy", "tool_calls/mean",
-               "turns/mean", "response_length/mean", "strategy/kept_groups",
+CURVE_ORDER = ("reward/mean", "reward/accuracy", "reward/tool", "accuracy", "val/accuracy",
+               "tool_calls/mean", "turns/mean", "response_length/mean", "strategy/kept_groups",
                "strategy/dropped_zero_variance", "entropy", "grad_norm", "loss")
 
 

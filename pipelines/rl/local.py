@@ -29,6 +29,13 @@ KL, trajectories masked by ``rl.mask_truncated``, ...), ``time/rollout_s`` =
 ``time/generation_s`` + ``time/tools_s`` + ``time/reward_s`` + ``time/merge_s`` (LoRA adapters
 merged for the rollout and the base weights restored, ``rl.lora.merge_for_rollout``), and
 ``time/train_s``.
+
+Validation (``rl.local.test_freq``, off by default; verl's ``trainer.test_freq`` with
+``val_before_train``): greedy trajectories on ``rl.val_tasks`` (else the data stage's held-out
+sets) before the first step, every N steps and after the last, scored by the reward:
+``val/accuracy``, ``val/reward``, ``val/<data source>/accuracy`` and ``time/val_s``, logged at the
+step whose rollouts those weights generate (the last one at step ``steps``). It does not change
+what the run learns (``test_rl_local.py``).
 """
 
 from __future__ import annotations
@@ -215,19 +222,13 @@ class LocalEngine:
                  ref_model: Any = None) -> None:
         import torch
 
-        from pipelines.agent.policies.hf import HFPolicy
-
         self.recipe, self.model, self.processor = recipe, model, processor
         self.items, self.sampler, self.judge, self.ref_model = items, sampler, judge, ref_model
         rl = recipe.rl
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=rl.learning_rate,
                                            weight_decay=rl.local.weight_decay)
-        self.policy = HFPolicy(model, processor, image_min_pixels=recipe.agent.image_min_pixels,
-                               image_max_pixels=recipe.agent.image_max_pixels,
-                               image_factor=recipe.agent.image_factor,
-                               draft_tokens=recipe.agent.draft_tokens,
-                               threads=recipe.agent.cpu_threads)
+        self.policy = self._new_policy()
         self.n_draw = math.ceil(rl.strategy.oversample_factor * rl.prompts_per_step)
         # LoRA: rollouts run on merged weights (rl.lora.merge_for_rollout).
         merged = MergedAdapters(model) if rl.lora.enabled and rl.lora.merge_for_rollout else None
@@ -235,6 +236,14 @@ class LocalEngine:
         tok = processor.tokenizer
         self._vision_pads = sorted({tok.convert_tokens_to_ids(t)
                                     for t in ("<|image_pad|>", "<|video_pad|>")})
+
+    def _new_policy(self) -> Any:
+        from pipelines.agent.policies.hf import HFPolicy
+
+        agent = self.recipe.agent
+        return HFPolicy(self.model, self.processor, image_min_pixels=agent.image_min_pixels,
+                        image_max_pixels=agent.image_max_pixels, image_factor=agent.image_factor,
+                        draft_tokens=agent.draft_tokens, threads=agent.cpu_threads)
 
     # -- rollouts ------------------------------------------------------------------------------
 
@@ -327,6 +336,40 @@ class LocalEngine:
                             rollout_s=0.0,  # set by rollout()
                             generation_s=sum(t.generation_s for t in trajectories),
                             reward_s=reward_s)
+
+    def validate(self, items: list[tuple[Task, Path]]) -> dict[str, float]:
+        """verl's validation: one greedy trajectory per task (the evaluation's sampling and turn
+        limit), scored by the reward. ``val/accuracy``, ``val/reward`` (the mean reward), and
+        ``val/<data source>/accuracy`` for each data source. It leaves training as it was: the
+        random states are restored and the trajectories run on a policy of their own (the
+        rollouts' drafts stay the rollouts'), so a run validates without changing what it
+        learns."""
+        import random
+
+        import numpy as np
+        import torch
+
+        from pipelines.agent.loop import run_episodes
+
+        states = random.getstate(), np.random.get_state()
+        with torch.random.fork_rng(devices=[]), self.sampling(), \
+                (self.merged() if self.merged else contextlib.nullcontext()):
+            trajs = list(run_episodes(items, self._new_policy(), self.recipe.agent,
+                                      self.recipe.sandbox, mode="eval",
+                                      batch_size=self.recipe.eval.batch_size))
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        trajs.sort(key=lambda t: t.group_index)
+        rewards = self.rewards([(items[t.group_index][0], t) for t in trajs])
+        by_source: dict[str, list[float]] = {}
+        for t, r in zip(trajs, rewards):
+            by_source.setdefault(t.data_source, []).append(float(r.correct))
+        n = max(1, len(rewards))
+        out = {"val/accuracy": sum(r.correct for r in rewards) / n,
+               "val/reward": sum(r.total for r in rewards) / n}
+        out.update({f"val/{source}/accuracy": sum(v) / len(v)
+                    for source, v in sorted(by_source.items())})
+        return out
 
     def training_batch(self, batch: RolloutBatch) -> tuple[list[TokenSequence], list[float], list[int]]:
         """The kept trajectories as token sequences, with their group advantages and group keys.
@@ -471,6 +514,7 @@ def train_local(recipe: Recipe, sd: StageDir, *, model_path: str, task_dirs: lis
 
         judge = Judge(recipe.reward.judge, store=sd.store)
     items = load_rl_tasks(task_dirs)
+    val_items = _validation_items(recipe, sd) if local.test_freq > 0 else []
     engine = LocalEngine(recipe, model, processor, items, TaskSampler(len(items), recipe.seed),
                          judge=judge, ref_model=ref_model)
     start_step = 0
@@ -486,13 +530,26 @@ def train_local(recipe: Recipe, sd: StageDir, *, model_path: str, task_dirs: lis
     # Rollouts for the report and metrics for trackers (pipelines/rl/rollouts.py).
     observer = RLObserver(recipe, sd, items)
     table = LiveTable(show_progress, local.steps)
+    validations: dict[int, dict[str, float]] = {}
+
+    def validate(done: int) -> dict[str, float]:
+        """Validation of the weights after ``done`` steps, when one is due (verl's schedule)."""
+        if not val_items or (done % local.test_freq and done != local.steps):
+            return {}
+        t = time.monotonic()
+        out = {**engine.validate(val_items), "time/val_s": time.monotonic() - t}
+        validations[done] = out
+        return out
+
     try:
         for step in range(start_step, local.steps):
+            # Logged at the step whose rollouts these weights generate (after ``step`` updates).
+            val = validate(step)
             batch = engine.rollout()
             t1 = time.monotonic()
             train_metrics = engine.update(*engine.training_batch(batch))
             train_s = time.monotonic() - t1
-            metrics = step_metrics(batch, train_metrics, train_s)
+            metrics = {**step_metrics(batch, train_metrics, train_s), **val}
             history.append(metrics)
             if sd.store is not None:
                 sd.store.log_metrics(sd.run_id, "rl", step, metrics)
@@ -502,6 +559,11 @@ def train_local(recipe: Recipe, sd: StageDir, *, model_path: str, task_dirs: lis
                 save_checkpoint(ckpt_root, step + 1, peft_model or model, processor,
                                 engine.optimizer, engine.sampler, extra={"history": history},
                                 keep=2)
+        final_val = validate(local.steps)
+        if final_val:
+            if sd.store is not None:
+                sd.store.log_metrics(sd.run_id, "rl", local.steps, final_val)
+            table.validation(local.steps, final_val)
     finally:
         table.close()
         observer.close()
@@ -523,6 +585,12 @@ def train_local(recipe: Recipe, sd: StageDir, *, model_path: str, task_dirs: lis
                "first_accuracy": first.get("accuracy"), "last_accuracy": last.get("accuracy"),
                "first_tool_calls": first.get("tool_calls/mean"),
                "last_tool_calls": last.get("tool_calls/mean")}
+    if validations:
+        first_v, last_v = min(validations), max(validations)
+        summary.update({"first_val_step": first_v,
+                        "first_val_accuracy": validations[first_v]["val/accuracy"],
+                        "last_val_step": last_v,
+                        "last_val_accuracy": validations[last_v]["val/accuracy"]})
     if judge is not None:
         summary.update({f"judge_{k}": v for k, v in judge.stats().items()})
     if peft_model is not None:
@@ -530,6 +598,22 @@ def train_local(recipe: Recipe, sd: StageDir, *, model_path: str, task_dirs: lis
                                                if p.requires_grad)
     sd.finish({**outputs, "checkpoints": str(ckpt_root), "base_model": model_path}, summary)
     return summary
+
+
+def _validation_items(recipe: Recipe, sd: StageDir) -> list[tuple[Task, Path]]:
+    """The tasks ``rl.local.test_freq`` validates on (``rl.val_tasks``, else the data stage's
+    held-out sets); none: a warning, and validation is off, as verl turns it off."""
+    from pipelines.rl.stage import validation_sources
+
+    items: list[tuple[Task, Path]] = []
+    for d in validation_sources(recipe, sd):
+        tasks, _ = read_tasks(d, strict=True)
+        root = Path(d) if Path(d).is_dir() else Path(d).parent
+        items += [(t, root) for t in tasks]
+    if not items:
+        err.print("[yellow]rl.local.test_freq is set, but there are no validation tasks "
+                  "(rl.val_tasks, or the data stage's held-out sets): validation is off[/]")
+    return items
 
 
 def step_metrics(batch: RolloutBatch, train_metrics: dict[str, float],
@@ -572,7 +656,7 @@ class LiveTable:
     COLUMNS = (("step", "{}"), ("reward", "{:.3f}"), ("acc", "{:.3f}"), ("tools", "{:.2f}"),
                ("turns", "{:.2f}"), ("len", "{:.0f}"), ("kept", "{:.0f}"), ("dropped", "{:.0f}"),
                ("entropy", "{:.3f}"), ("gnorm", "{:.3f}"), ("gen s", "{:.1f}"),
-               ("tools s", "{:.1f}"), ("train s", "{:.1f}"))
+               ("tools s", "{:.1f}"), ("train s", "{:.1f}"), ("val acc", "{:.3f}"))
     WIDTH = 8
 
     def __init__(self, enabled: bool, total: int) -> None:
@@ -605,8 +689,20 @@ class LiveTable:
         values = (f"{step + 1}/{self.total}", m["reward/mean"], m["accuracy"], m["tool_calls/mean"],
                   m["turns/mean"], m["response_length/mean"], m["strategy/kept_groups"], dropped,
                   m.get("entropy"), m.get("grad_norm"), m["time/generation_s"], m["time/tools_s"],
-                  m["time/train_s"])
+                  m["time/train_s"], m.get("val/accuracy"))
         row = [fmt.format(v) if v is not None else "-" for (_, fmt), v in zip(self.COLUMNS, values)]
+        self.rows.append(row)
+        if self.live is not None:
+            self.live.update(self._table())
+        else:
+            err.print(" ".join(f"{c:>{self.WIDTH}}" for c in row), markup=False, soft_wrap=True)
+
+    def validation(self, done: int, m: dict[str, float]) -> None:
+        """The validation after the last step (it has no training row of its own)."""
+        if not self.enabled:
+            return
+        row = [f"val {done}/{self.total}", *["-"] * (len(self.COLUMNS) - 2),
+               f"{m['val/accuracy']:.3f}"]
         self.rows.append(row)
         if self.live is not None:
             self.live.update(self._table())

@@ -51,6 +51,15 @@ def resolve_rl_inputs(recipe: Recipe, sd: StageDir, *, model: str | None = None,
     return model, [str(t) for t in task_dirs]
 
 
+def validation_sources(recipe: Recipe, sd: StageDir) -> list[str]:
+    """The task folders RL validates on, with either engine: ``rl.val_tasks``, else the data
+    stage's held-out sets (none: validation is off)."""
+    if recipe.rl.val_tasks:
+        return list(recipe.rl.val_tasks)
+    data = sd.outputs_of(DataOutputs)
+    return list(data.heldout.values()) if data is not None else []
+
+
 def run_rl(recipe: Recipe, sd: StageDir, *, model: str, task_dirs: list[str], resume: bool = False,
            dry_run: bool = False, show_progress: bool = True) -> dict[str, Any]:
     """Dispatch to the configured engine; returns the stage summary (or the launch plan)."""

@@ -84,11 +84,11 @@ def test_field_added_later_at_its_default_does_not_block_resume(tmp_path):
     sd = stage_dir(recipe, "rl", "old", runs_dir=tmp_path)
     sd.begin()
     stored = yaml.safe_load((sd.path / "config.yaml").read_text())
-    del stored["rl"]["verl"]["val_tasks"]  # as written by a pyvision that did not have the field
+    del stored["rl"]["val_tasks"]  # as written by a pyvision that did not have the field
     (sd.path / "config.yaml").write_text(yaml.safe_dump(stored))
     stage_dir(recipe, "rl", "old", runs_dir=tmp_path).check_same_config()
-    changed = load_recipe(None, ["rl.verl.val_tasks=[data/vstar]"])
-    with pytest.raises(UserError, match=r"rl\.verl\.val_tasks"):
+    changed = load_recipe(None, ["rl.val_tasks=[data/vstar]"])
+    with pytest.raises(UserError, match=r"rl\.val_tasks"):
         stage_dir(changed, "rl", "old", runs_dir=tmp_path).check_same_config()
 
 

@@ -23,7 +23,7 @@ import yaml
 from pipelines.config.recipe import Recipe
 from pipelines.errors import UserError
 from pipelines.fsutil import atomic_write_text
-from pipelines.manifest import DataOutputs
+from pipelines.rl.stage import validation_sources
 from pipelines.rl.verl.overrides import (
     AGENT_LOOP_CLASS,
     AGENT_LOOP_NAME,
@@ -109,13 +109,6 @@ def check_interpreter(python: str, backend: str) -> dict[str, Any]:
     return info
 
 
-def _val_sources(recipe: Recipe, sd: StageDir) -> list[str]:
-    if recipe.rl.verl.val_tasks:
-        return list(recipe.rl.verl.val_tasks)
-    data = sd.outputs_of(DataOutputs)
-    return list(data.heldout.values()) if data is not None else []
-
-
 def _processor(model: str) -> Any:
     """The policy's processor when it is a local folder (to count prompt tokens at export), else
     None: the agent loop still drops an over-long prompt, counted, at rollout time."""
@@ -143,7 +136,7 @@ def _export(recipe: Recipe, sd: StageDir, paths: VerlPaths, task_dirs: list[Path
     if resume and paths.train.is_file():
         return paths.val.is_file()
     info = export_verl(task_dirs, paths.data_dir, name=paths.train.stem, agent_cfg=recipe.agent,
-                       val_sources=_val_sources(recipe, sd), strict=recipe.data.strict,
+                       val_sources=validation_sources(recipe, sd), strict=recipe.data.strict,
                        processor=_processor(model), max_prompt_tokens=recipe.rl.max_prompt_tokens)
     if info["skipped"]:
         from rich.markup import escape

@@ -112,6 +112,13 @@ def test_unknown_key_from_set_override():
         load_recipe(None, ["agent.max_turn=3"])
 
 
+def test_a_moved_key_names_where_it_went():
+    # Validation tasks are shared by both RL engines now; verl's old key says so, not a near name.
+    with pytest.raises(ConfigError, match=r"'rl\.verl\.val_tasks'.*moved to 'rl\.val_tasks'"):
+        load_recipe(None, ["rl.verl.val_tasks=[data/vstar]"])
+    assert load_recipe(None, ["rl.val_tasks=[data/vstar]"]).rl.val_tasks == ["data/vstar"]
+
+
 def test_out_of_bounds_value_is_located():
     with pytest.raises(ConfigError, match=r"'rl\.n'.*greater than or equal to 2"):
         load_recipe(None, ["rl.n=1"])

@@ -177,6 +177,44 @@ def test_resume_continues_exactly(straight_run, tiny_model_dir, rl_tasks, tmp_pa
     assert summary["first_reward"] == want[0]["reward/mean"]  # history survives the restart
 
 
+def test_validation_runs_on_verls_schedule_and_changes_nothing(straight_run, tiny_model_dir,
+                                                              rl_tasks, tmp_path, monkeypatch):
+    """``rl.local.test_freq``: greedy validation before the first step, every N steps and after
+    the last, logged as ``val/*`` at the step whose rollouts those weights generate; the run's
+    rollouts, updates and weights are those of the same run without it."""
+    from pipelines.core.records import read_tasks
+    from pipelines.data.synth import synthesize
+
+    val_dir = tmp_path / "val"
+    synthesize("image-search", 3, 5, val_dir, split="heldout", families=["color", "count"],
+               progress=False)
+    monkeypatch.setattr(LocalEngine, "rewards", token_reward)
+    # Sampled validation (verl's val_kwargs may sample too): it draws random numbers, which must
+    # not reach the training's.
+    recipe = load_recipe(None, ENGINE + ["rl.local.steps=3", "rl.local.test_freq=2",
+                                         f"rl.val_tasks=[{val_dir}]", "agent.eval_temperature=1.0"])
+    sd, store, summary = run_rl(recipe, tmp_path, "val", tiny_model_dir, rl_tasks)
+    want, got = per_step(straight_run[1], "straight"), per_step(store, "val")
+    assert sorted(got) == [0, 1, 2, 3]
+    validated = sorted(step for step, m in got.items() if "val/accuracy" in m)
+    assert validated == [0, 2, 3]
+    sources = {t.data_source for t in read_tasks(val_dir)[0]}
+    for step in validated:
+        m = got[step]
+        assert 0.0 <= m["val/accuracy"] <= 1.0 and m["time/val_s"] > 0
+        assert {f"val/{s}/accuracy" for s in sources} <= set(m), (step, sorted(m))
+    assert not any(k.startswith("val/") for k in got[1])
+    assert set(got[3]) == {k for k in got[2] if k.startswith("val/")} | {"time/val_s"}
+    for step in want:  # training is untouched
+        for name, value in want[step].items():
+            if not name.startswith("time/"):
+                assert got[step][name] == pytest.approx(value, rel=1e-6, abs=1e-9), (step, name)
+    a, b = weights(straight_run[0].path / "model"), weights(sd.path / "model")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert (summary["first_val_step"], summary["last_val_step"]) == (0, 3)
+    assert summary["last_val_accuracy"] == got[3]["val/accuracy"]
+
+
 def test_resume_without_checkpoint_starts_over(tiny_model_dir, rl_tasks, tmp_path, monkeypatch):
     monkeypatch.setattr(LocalEngine, "rewards", token_reward)
     recipe = load_recipe(None, ENGINE + ["rl.local.steps=1"])
@@ -289,7 +327,7 @@ def test_live_table_rows_read_in_a_log(capsys):
         lines = capsys.readouterr().err.strip().splitlines()
         assert lines[0].split()[:3] == ["step", "reward", "acc"]
         assert lines[1].split() == ["1/2", "0.500", "0.250", "1.50", "2.00", "40", "2", "2", "-",
-                                    "-", "1.0", "0.5", "2.0"]
+                                    "-", "1.0", "0.5", "2.0", "-"]
 
 
 def test_perf_rl_json(tiny_model_dir, rl_tasks):
