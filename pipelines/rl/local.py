@@ -607,7 +607,7 @@ def _validation_items(recipe: Recipe, sd: StageDir) -> list[tuple[Task, Path]]:
 
     items: list[tuple[Task, Path]] = []
     for d in validation_sources(recipe, sd):
-        tasks, _ = read_tasks(d, strict=True)
+        tasks, _ = read_tasks(d, strict=recipe.data.strict)
         root = Path(d) if Path(d).is_dir() else Path(d).parent
         items += [(t, root) for t in tasks]
     if not items:
@@ -690,19 +690,16 @@ class LiveTable:
                   m["turns/mean"], m["response_length/mean"], m["strategy/kept_groups"], dropped,
                   m.get("entropy"), m.get("grad_norm"), m["time/generation_s"], m["time/tools_s"],
                   m["time/train_s"], m.get("val/accuracy"))
-        row = [fmt.format(v) if v is not None else "-" for (_, fmt), v in zip(self.COLUMNS, values)]
-        self.rows.append(row)
-        if self.live is not None:
-            self.live.update(self._table())
-        else:
-            err.print(" ".join(f"{c:>{self.WIDTH}}" for c in row), markup=False, soft_wrap=True)
+        self._show([fmt.format(v) if v is not None else "-"
+                    for (_, fmt), v in zip(self.COLUMNS, values)])
 
     def validation(self, done: int, m: dict[str, float]) -> None:
         """The validation after the last step (it has no training row of its own)."""
-        if not self.enabled:
-            return
-        row = [f"val {done}/{self.total}", *["-"] * (len(self.COLUMNS) - 2),
-               f"{m['val/accuracy']:.3f}"]
+        if self.enabled:
+            self._show([f"val {done}/{self.total}", *["-"] * (len(self.COLUMNS) - 2),
+                        f"{m['val/accuracy']:.3f}"])
+
+    def _show(self, row: list[str]) -> None:
         self.rows.append(row)
         if self.live is not None:
             self.live.update(self._table())

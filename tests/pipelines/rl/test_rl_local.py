@@ -456,6 +456,23 @@ def test_cli_rl_local_then_resume_is_a_no_op(tiny_model_dir, rl_tasks, tmp_path)
     assert again.exit_code == 0 and "already finished" in again.output
 
 
+def test_cli_rl_with_a_missing_validation_folder_fails_before_the_stage(tiny_model_dir, rl_tasks,
+                                                                       tmp_path):
+    from typer.testing import CliRunner
+
+    from pyvision_cli.main import app
+
+    missing = tmp_path / "no-val"
+    sets = [a for s in ENGINE + ["rl.local.steps=1", f"runs_dir={tmp_path}",
+                                 "rl.local.test_freq=1", f"rl.val_tasks=[{missing}]"]
+            for a in ("--set", s)]
+    result = CliRunner().invoke(app, ["rl", "--engine", "local", "--run-id", "bad-val", "--model",
+                                      str(tiny_model_dir), "--tasks", str(rl_tasks), *sets])
+    assert result.exit_code == 2, result.output
+    assert str(missing) in result.output and "not found" in result.output
+    assert not (tmp_path / "bad-val").exists()  # nothing half-written
+
+
 @pytest.mark.gpu
 @ON_CUDA
 def test_local_engine_trains_on_cuda_in_bf16(tiny_model_dir, rl_tasks, tmp_path, monkeypatch):
