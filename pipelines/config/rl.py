@@ -176,6 +176,10 @@ class RLConfig(Section):
     learning_rate: float = Field(1e-6, gt=0.0, le=1.0)
     """Constant learning rate (paper: 1e-6)."""
 
+    lr_warmup_steps_ratio: float = Field(0.0, ge=0.0, le=1.0)
+    """verl's linear warm-up: the rate rises from 0 over the first ``int(ratio x steps)`` RL
+    steps (step k at ``k / warm-up steps`` of it), then stays (paper: 0, no warm-up)."""
+
     mini_batch_prompts: int = Field(16, ge=1, le=1_000_000)
     """Prompts per PPO mini-batch (paper: 16, i.e. 4 updates per step)."""
 

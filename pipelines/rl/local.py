@@ -25,7 +25,8 @@ Step metrics (names as stored): ``reward/mean|std|accuracy|tool|format``, ``rewa
 ``turns/mean``, ``response_length/mean`` (model tokens per trajectory), ``stop/<reason>`` (every
 stop reason, 0 when none stopped so), ``strategy/*`` (kept and dropped groups by reason, groups
 varying in reward and in accuracy), ``entropy``, ``grad_norm``, ``train/*`` (loss, clip fraction,
-KL, trajectories masked by ``rl.mask_truncated``, ...), ``time/rollout_s`` =
+KL, trajectories masked by ``rl.mask_truncated``, the learning rate ``train/lr``, ...),
+``time/rollout_s`` =
 ``time/generation_s`` + ``time/tools_s`` + ``time/reward_s`` + ``time/merge_s`` (LoRA adapters
 merged for the rollout and the base weights restored, ``rl.lora.merge_for_rollout``), and
 ``time/train_s``.
@@ -236,6 +237,16 @@ class LocalEngine:
         tok = processor.tokenizer
         self._vision_pads = sorted({tok.convert_tokens_to_ids(t)
                                     for t in ("<|image_pad|>", "<|video_pad|>")})
+
+    def set_lr_for(self, step: int, steps: int) -> float:
+        """The rate of RL step ``step`` (0-based) of ``steps``: verl's constant schedule with
+        linear warm-up (``rl.lr_warmup_steps_ratio``), from the step index alone, so a resumed
+        run continues on the same schedule."""
+        warmup = int(self.recipe.rl.lr_warmup_steps_ratio * steps)
+        lr = self.recipe.rl.learning_rate * (step / max(1, warmup) if step < warmup else 1.0)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
 
     def _new_policy(self) -> Any:
         from pipelines.agent.policies.hf import HFPolicy
@@ -545,11 +556,12 @@ def train_local(recipe: Recipe, sd: StageDir, *, model_path: str, task_dirs: lis
         for step in range(start_step, local.steps):
             # Logged at the step whose rollouts these weights generate (after ``step`` updates).
             val = validate(step)
+            lr = engine.set_lr_for(step, local.steps)
             batch = engine.rollout()
             t1 = time.monotonic()
             train_metrics = engine.update(*engine.training_batch(batch))
             train_s = time.monotonic() - t1
-            metrics = {**step_metrics(batch, train_metrics, train_s), **val}
+            metrics = {**step_metrics(batch, train_metrics, train_s), "train/lr": lr, **val}
             history.append(metrics)
             if sd.store is not None:
                 sd.store.log_metrics(sd.run_id, "rl", step, metrics)

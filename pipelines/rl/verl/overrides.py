@@ -173,7 +173,7 @@ def render(recipe: Recipe, *, model: str, paths: VerlPaths, has_val: bool,
         Override("actor_rollout_ref.model.enable_gradient_checkpointing", True),
         Override("actor_rollout_ref.actor.optim.lr", rl.learning_rate),
         Override("actor_rollout_ref.actor.optim.lr_scheduler_type", "constant"),
-        Override("actor_rollout_ref.actor.optim.lr_warmup_steps_ratio", 0.0),
+        Override("actor_rollout_ref.actor.optim.lr_warmup_steps_ratio", rl.lr_warmup_steps_ratio),
         # Paper: weight decay 0.01, gradient clip 1.0 (verl's defaults too, pinned here).
         Override("actor_rollout_ref.actor.optim.weight_decay", 0.01),
         Override("actor_rollout_ref.actor.optim.clip_grad", 1.0),

@@ -372,6 +372,27 @@ def test_policy_never_emits_vision_pads(tiny_model_dir, rl_tasks):
     assert not model.generation_config.suppress_tokens  # restored after the rollout
 
 
+def test_warm_up_starts_the_rate_at_zero_and_reaches_it_on_verls_schedule(tiny_model_dir, rl_tasks,
+                                                                          tmp_path, monkeypatch):
+    """``rl.lr_warmup_steps_ratio``: verl's constant schedule with linear warm-up, per RL step.
+    Over two steps at ratio 1 the rate is 0, then half of it: the first step's checkpoint holds
+    the starting weights, the second's does not. Over four at 0.5: 0, half, all, all."""
+    monkeypatch.setattr(LocalEngine, "rewards", token_reward)
+    recipe = load_recipe(None, ENGINE + ["rl.local.steps=2", "rl.lr_warmup_steps_ratio=1.0"])
+    sd, store, _ = run_rl(recipe, tmp_path, "warm", tiny_model_dir, rl_tasks)
+    steps = per_step(store, "warm")
+    assert [steps[k]["train/lr"] for k in range(2)] == pytest.approx([0.0, 5e-4])
+    four = load_recipe(None, ENGINE + ["rl.lr_warmup_steps_ratio=0.5"])
+    engine = SimpleNamespace(recipe=four, optimizer=torch.optim.SGD([torch.zeros(1)], lr=1.0))
+    assert [LocalEngine.set_lr_for(engine, k, 4) for k in range(4)] == \
+        pytest.approx([0.0, 5e-4, 1e-3, 1e-3])
+    assert steps[0]["grad_norm"] > 0  # a gradient, but no step
+    start = weights(tiny_model_dir)
+    after = {p.name: weights(p) for p in list_checkpoints(sd.path / "checkpoints")}
+    assert all(torch.equal(after["step_1"][k], start[k]) for k in start)
+    assert not all(torch.equal(after["step_2"][k], start[k]) for k in start)
+
+
 def test_kl_to_the_starting_policy(tiny_model_dir, rl_tasks):
     import copy
 

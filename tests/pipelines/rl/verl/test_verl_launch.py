@@ -251,8 +251,8 @@ def test_overrides_compose_against_verls_config(name, tmp_path):
     assert rollout.limit_images == recipe.agent.max_images and rollout.multi_turn.enable
     if name.startswith("pyvision-"):  # the paper's settings, spelled out
         actor, algo = cfg.actor_rollout_ref.actor, cfg.algorithm
-        assert (cfg.actor_rollout_ref.rollout.n, actor.optim.lr, actor.optim.lr_scheduler_type) == \
-            (8, 1e-6, "constant")
+        assert (cfg.actor_rollout_ref.rollout.n, actor.optim.lr, actor.optim.lr_scheduler_type,
+                actor.optim.lr_warmup_steps_ratio) == (8, 1e-6, "constant", 0.0)
         assert (actor.clip_ratio_low, actor.clip_ratio_high, actor.loss_agg_mode) == \
             (0.2, 0.2, "token-mean")
         assert (actor.use_kl_loss, actor.kl_loss_coef, actor.entropy_coeff) == (False, 0.0, 0.0)
