@@ -615,7 +615,7 @@ def train_local(recipe: Recipe, sd: StageDir, *, model_path: str, task_dirs: lis
 def _validation_items(recipe: Recipe, sd: StageDir) -> list[tuple[Task, Path]]:
     """The tasks ``rl.local.test_freq`` validates on (``rl.val_tasks``, else the data stage's
     held-out sets); none: a warning, and validation is off, as verl turns it off."""
-    from pipelines.rl.stage import validation_sources
+    from pipelines.rl.validation import validation_sources
 
     items: list[tuple[Task, Path]] = []
     for d in validation_sources(recipe, sd):

@@ -14,6 +14,7 @@ from typing import Any
 from pipelines.config.recipe import Recipe
 from pipelines.errors import UserError
 from pipelines.manifest import DataOutputs, SFTOutputs
+from pipelines.rl.validation import validation_sources
 from pipelines.rundir import StageDir, earlier_stages_hint
 
 
@@ -53,15 +54,6 @@ def resolve_rl_inputs(recipe: Recipe, sd: StageDir, *, model: str | None = None,
         for folder in validation_sources(recipe, sd):
             read_tasks(folder, strict=recipe.data.strict)
     return model, [str(t) for t in task_dirs]
-
-
-def validation_sources(recipe: Recipe, sd: StageDir) -> list[str]:
-    """The task folders RL validates on, with either engine: ``rl.val_tasks``, else the data
-    stage's held-out sets (none: validation is off)."""
-    if recipe.rl.val_tasks:
-        return list(recipe.rl.val_tasks)
-    data = sd.outputs_of(DataOutputs)
-    return list(data.heldout.values()) if data is not None else []
 
 
 def run_rl(recipe: Recipe, sd: StageDir, *, model: str, task_dirs: list[str], resume: bool = False,

@@ -23,7 +23,7 @@ import yaml
 from pipelines.config.recipe import Recipe
 from pipelines.errors import UserError
 from pipelines.fsutil import atomic_write_text
-from pipelines.rl.stage import validation_sources
+from pipelines.rl.validation import validation_sources
 from pipelines.rl.verl.overrides import (
     AGENT_LOOP_CLASS,
     AGENT_LOOP_NAME,
