@@ -71,12 +71,18 @@ from pipelines.scoring.reward import RewardBreakdown, compute_reward
 MICRO_BATCH = 4
 
 
-def load_rl_tasks(dirs: list[str | Path]) -> list[tuple[Task, Path]]:
+def task_items(dirs: list[str | Path], *, strict: bool = False) -> list[tuple[Task, Path]]:
+    """(task, media root) for every task in ``dirs`` (folders or tasks.jsonl files)."""
     items: list[tuple[Task, Path]] = []
     for d in dirs:
-        tasks, _ = read_tasks(d)
+        tasks, _ = read_tasks(d, strict=strict)
         root = Path(d) if Path(d).is_dir() else Path(d).parent
         items += [(t, root) for t in tasks]
+    return items
+
+
+def load_rl_tasks(dirs: list[str | Path]) -> list[tuple[Task, Path]]:
+    items = task_items(dirs)
     if not items:
         raise UserError("no RL tasks found", hint="run the data stage first (RL prompts are the "
                         "train tasks not used for SFT), or pass --tasks DIR")
@@ -617,11 +623,7 @@ def _validation_items(recipe: Recipe, sd: StageDir) -> list[tuple[Task, Path]]:
     held-out sets); none: a warning, and validation is off, as verl turns it off."""
     from pipelines.rl.validation import validation_sources
 
-    items: list[tuple[Task, Path]] = []
-    for d in validation_sources(recipe, sd):
-        tasks, _ = read_tasks(d, strict=recipe.data.strict)
-        root = Path(d) if Path(d).is_dir() else Path(d).parent
-        items += [(t, root) for t in tasks]
+    items = task_items(validation_sources(recipe, sd), strict=recipe.data.strict)
     if not items:
         err.print("[yellow]rl.local.test_freq is set, but there are no validation tasks "
                   "(rl.val_tasks, or the data stage's held-out sets): validation is off[/]")
