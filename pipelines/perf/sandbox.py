@@ -20,6 +20,7 @@ import socket
 import struct
 import time
 from contextlib import redirect_stdout
+from pathlib import Path
 from typing import Any
 
 from pipelines.config.agent import AgentConfig
@@ -176,6 +177,50 @@ def one_cpu_overhead(cfg: SandboxConfig, calls: int) -> dict[str, Any] | None:
             "overhead_ratio": _ratio(over, floor)}
 
 
+def _host_work() -> float:
+    """Seconds of a fixed piece of pure-Python work in this process (about 0.3 s on one idle
+    core of the development machine)."""
+    t = time.monotonic()
+    total = 0
+    for i in range(10_000_000):
+        total += i & 7
+    return time.monotonic() - t
+
+
+def beside_busy_sandboxes(cfg: SandboxConfig, n: int = 8) -> dict[str, Any]:
+    """How much ``n`` sandboxes whose code only loops slow the process that runs them: a fixed
+    piece of work timed alone, then while they loop. Where the kernel shares CPU time out by
+    session (``autogroup``), the sandboxes share the zygote's session, so together they weigh
+    as much as this process; without it every process counts alike."""
+    import threading
+
+    from pipelines.agent.sandbox import Sandbox
+
+    alone = min(_host_work() for _ in range(3))
+    loop_s = max(2.0, 6 * alone)
+    sandboxes = [Sandbox(cfg) for _ in range(n)]
+    try:
+        for s in sandboxes:
+            s.run("x = 1")
+        code = f"import time\nt = time.monotonic()\nwhile time.monotonic() - t < {loop_s:.2f}: pass"
+        calls = [threading.Thread(target=s.run, args=(code,)) for s in sandboxes]
+        for c in calls:
+            c.start()
+        time.sleep(0.3)  # every loop running
+        beside = _host_work()
+        for c in calls:
+            c.join()
+    finally:
+        for s in sandboxes:
+            s.close()
+    try:
+        autogroup = Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() == "1"
+    except OSError:
+        autogroup = None
+    return {"n": n, "alone_s": round(alone, 3), "beside_s": round(beside, 3),
+            "slowdown": round(beside / alone, 2), "autogroup": autogroup}
+
+
 def run_benchmark(repeats: int = 30, n_concurrent: int = 64,
                   config: SandboxConfig | None = None) -> dict[str, Any]:
     """Measure the sandbox on this machine; returns the JSON the CLI prints."""
@@ -271,6 +316,7 @@ def run_benchmark(repeats: int = 30, n_concurrent: int = 64,
         "crop_8k_code_ms": summary_ms(crop8k_code),
         "crop_8k_size": crop8k_size,
         "start_8k_ms": summary_ms(starts_8k),
+        "beside_busy": beside_busy_sandboxes(cfg),
         "concurrent": {"n": n_concurrent, "alive": alive, "peak_rss_mb": peak["rss_mb"],
                        "peak_pss_mb": peak["pss_mb"], "baseline_rss_mb": base["rss_mb"],
                        "processes": peak["processes"]},

@@ -658,6 +658,41 @@ def _descendants(root: int) -> list[int]:
 
 
 @pytest.mark.parametrize("mode", ["rlimit", pytest.param("bwrap", marks=strict)])
+def test_sandboxes_share_one_session_but_not_a_process_group(mode):
+    """Where the kernel shares CPU time out by session (autogroup scheduling, on by default in
+    most distributions), a session per sandbox weighed each one like the whole evaluating
+    process: eight sandboxes looping left it about a ninth of the CPU. Every sandbox process
+    stays in the zygote's session; each sandbox still leads a process group of its own, so
+    ``kill(0, ...)`` from its code reaches only its own processes."""
+    from pipelines.agent.sandbox import isolation
+
+    isolation._warned_rlimit = True  # the rlimit warning has its own test
+    cfg = SandboxConfig(isolation=mode, timeout_s=10)
+    with Sandbox(cfg) as a, Sandbox(cfg) as b:
+        pids = [int(_ok(s.run("import os\nprint(os.getpid())")).split()[0]) for s in (a, b)]
+        stats = {}
+        root = a._zygote.proc.pid  # the zygote itself in rlimit mode, bwrap above it else
+        for pid in [root, *_descendants(root)]:
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:  # ended meanwhile
+                continue
+            # The zygote and every process forked from it (not bwrap, whose arguments name it).
+            if b"zygote.py" in cmd and Path(cmd.split(b"\0")[0].decode()).name != "bwrap":
+                stats[pid] = (int(fields[1]), int(fields[2]), int(fields[3]))  # ppid, pgrp, sid
+    zygote = next(pid for pid, (ppid, _, _) in stats.items() if ppid not in stats)
+    below = {pid: st for pid, st in stats.items() if pid != zygote}
+    assert len(below) == 4, stats  # an intermediate and a worker a sandbox
+    assert {sid for _, _, sid in stats.values()} == {stats[zygote][2]}, stats
+    # A group a sandbox, the worker's own too in bwrap mode (pid 1 of its namespace).
+    groups = {pgrp for _, pgrp, _ in below.values()}
+    assert stats[zygote][1] not in groups and len(groups) == (4 if mode == "bwrap" else 2), stats
+    if mode == "rlimit":  # the host's pid namespace: the workers' pids are the host's
+        assert all(below[pid][1] != stats[zygote][1] for pid in pids)
+
+
+@pytest.mark.parametrize("mode", ["rlimit", pytest.param("bwrap", marks=strict)])
 def test_the_oom_killer_ends_a_sandbox_before_the_process_that_runs_it(mode):
     """No cgroup bounds a sandbox's processes together: should the machine run out of memory,
     the kernel must pick the sandbox (and what its code started), not the evaluation."""

@@ -22,6 +22,10 @@ def test_perf_sandbox_json_shape():
     assert data["crop_show_size"] == [392, 392] and data["crop_8k_size"] == [1036, 1036]
     assert data["concurrent"]["n"] == 3 and data["concurrent"]["alive"] == 3
     assert data["concurrent"]["peak_rss_mb"] > 0
+    busy = data["beside_busy"]  # the work timed alone and beside 8 looping sandboxes
+    assert busy["n"] == 8 and busy["alone_s"] > 0 and busy["beside_s"] > 0
+    assert busy["slowdown"] == pytest.approx(busy["beside_s"] / busy["alone_s"], rel=0.05)
+    assert busy["autogroup"] in (True, False, None)
     assert data["overhead_ratio"] == pytest.approx(
         data["call_overhead_ms"]["median"] / data["forked_worker_overhead_ms"]["median"], rel=0.05)
     one = data["one_cpu"]  # both processes pinned to one CPU, in a child process
