@@ -75,3 +75,14 @@ def process_tree_cpu_s(root_pid: int | None = None) -> float | None:
             continue
         ticks += sum(int(v) for v in fields[11:15])  # utime stime cutime cstime
     return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def thread_schedstat_s() -> tuple[float, float] | None:
+    """The calling thread's seconds on a CPU and seconds runnable but waiting for one, so far
+    (``/proc/thread-self/schedstat``; None where the kernel does not keep it). Two readings
+    around a piece of work say whether a slow run computed more or waited for a core."""
+    try:
+        on_cpu, waiting = Path("/proc/thread-self/schedstat").read_text().split()[:2]
+    except (OSError, ValueError):
+        return None
+    return int(on_cpu) / 1e9, int(waiting) / 1e9

@@ -21,6 +21,9 @@ Every row also reports the CPU time it used (``cpu``): this process's (the polic
 store) and its whole process tree's (the sandbox workers too), and from them the most samples a
 second this work allows on this machine's cores however well it were spread over them
 (``cpu_bound_samples_per_s``): a throughput target above that needs less work, not more overlap.
+And the evaluating thread's own (it runs the model): seconds on a core and seconds runnable but
+waiting for one (``thread_on_cpu_s``, ``thread_runqueue_s``), so a slow run tells computing more
+from waiting for a core the sandboxes hold.
 """
 
 from __future__ import annotations
@@ -67,15 +70,22 @@ def _summary(records: list[dict[str, Any]], seconds: float) -> dict[str, Any]:
 
 
 def _cpu(process_s: float, tree_end: float | None, tree_start: float | None, n: int,
-         cpus: int) -> dict[str, Any]:
+         cpus: int, sched_end: tuple[float, float] | None = None,
+         sched_start: tuple[float, float] | None = None) -> dict[str, Any]:
     """The CPU seconds behind one row: ``process_s`` (this process, every thread) and the whole
-    process tree's (None off Linux), and the samples a second that tree's work would allow
-    spread perfectly over ``cpus`` cores."""
+    process tree's (None off Linux), the samples a second that tree's work would allow spread
+    perfectly over ``cpus`` cores, and the evaluating thread's own seconds on a core and
+    runnable but waiting for one (``thread_on_cpu_s``, ``thread_runqueue_s``: None where the
+    kernel does not count them)."""
     tree_s = None if tree_end is None or tree_start is None else tree_end - tree_start
     bound = round(n * cpus / tree_s, 2) if tree_s else None
+    on_cpu = waiting = None
+    if sched_end is not None and sched_start is not None:
+        on_cpu, waiting = (round(b - a, 2) for a, b in zip(sched_start, sched_end))
     return {"process_s": round(process_s, 2),
             "tree_s": None if tree_s is None else round(tree_s, 2),
-            "cpu_bound_samples_per_s": bound}
+            "cpu_bound_samples_per_s": bound,
+            "thread_on_cpu_s": on_cpu, "thread_runqueue_s": waiting}
 
 
 def run_benchmark(n_image: int = 8, n_video: int = 4, size: str = "nano",
@@ -101,7 +111,7 @@ def run_benchmark(n_image: int = 8, n_video: int = 4, size: str = "nano",
     from pipelines.data.synth import synthesize
     from pipelines.eval.runner import run_eval
     from pipelines.models.tiny import build_tiny_model
-    from pipelines.perf import process_tree_cpu_s, usable_cpus
+    from pipelines.perf import process_tree_cpu_s, thread_schedstat_s, usable_cpus
     from pipelines.store import Store
 
     counts = {"image": n_image, "video": n_video}
@@ -150,13 +160,14 @@ def run_benchmark(n_image: int = 8, n_video: int = 4, size: str = "nano",
             for label, policy in (("model", model), ("scripted", scripted(code))):
                 run_id = f"perf-{label}-{family}"
                 model.cache_stats.clear()
+                sched = thread_schedstat_s()
                 tree, own, t = process_tree_cpu_s(), time.process_time(), time.monotonic()
                 results = run_eval(recipe, model=str(model_path), model_tag=label,
                                    benchmarks=[bench], run_id=run_id, store=store,
                                    data_dirs={bench: path}, policy=policy, show_progress=False)
                 seconds = time.monotonic() - t
                 cpu = _cpu(time.process_time() - own, process_tree_cpu_s(), tree,
-                           counts[family], cpus)
+                           counts[family], cpus, thread_schedstat_s(), sched)
                 rows[label] = {**_summary(store.eval_records(run_id, label, bench), seconds),
                                "accuracy": results[bench].get("accuracy"), "cpu": cpu}
                 if policy is model:  # the work behind the time, the same on a busy machine

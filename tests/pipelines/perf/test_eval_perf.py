@@ -47,6 +47,9 @@ def test_perf_eval_json_shape(tiny_model_dir: Path) -> None:
             assert row["cpu"]["tree_s"] >= row["cpu"]["process_s"] - 0.03 > 0
             assert row["cpu"]["cpu_bound_samples_per_s"] == pytest.approx(
                 n * data["settings"]["cpus"] / row["cpu"]["tree_s"], rel=0.05)
+            # The evaluating thread's own share (Linux keeps it): within the process's.
+            assert 0 < row["cpu"]["thread_on_cpu_s"] <= row["cpu"]["process_s"] + 0.05
+            assert row["cpu"]["thread_runqueue_s"] >= 0
     # The scripted rows' sandbox calls ran in other processes (each is tens of ms of CPU there):
     # the trees used more than this process alone.
     assert sum(families[f]["scripted"]["cpu"]["tree_s"] - families[f]["scripted"]["cpu"]["process_s"]
