@@ -16,8 +16,8 @@ sibling sandbox is visible, addressable or reachable), a private size-limited tm
 empty tmpfs over /proc, every capability dropped, no_new_privs, non-dumpable, rlimits, and pid 1
 of its own pid namespace: when it is killed, every process it started dies with it. In
 ``rlimit`` mode the rlimits, every capability dropped, no_new_privs, a process group of its own
-(in the zygote's session, which has no terminal), Landlock and a working directory of its own apply (``isolation``'s docstring says what
-each mode refuses).
+(in the zygote's session, which has no terminal), Landlock and a working directory of its own
+apply (``isolation``'s docstring says what each mode refuses).
 """
 
 from __future__ import annotations
