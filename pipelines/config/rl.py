@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from pipelines.config.base import Section
 
@@ -161,6 +161,30 @@ class LoraRLConfig(Section):
         return self.rank > 0
 
 
+class OptimizerConfig(Section):
+    """The actor's optimizer, built the way verl builds it in both engines: the class ``name``
+    from the module ``impl``, with the stage's learning rate and weight decay (and the betas of
+    an Adam-like class), then ``args`` on top (verl's ``actor.optim.optimizer``,
+    ``optimizer_impl`` and ``override_optimizer_config``)."""
+
+    name: str = Field("AdamW", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    """Optimizer class (paper: AdamW; e.g. `SGD`, or `AdamW8bit` with `bitsandbytes.optim`)."""
+
+    impl: str = Field("torch.optim", pattern=r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+    """Module the class is imported from (`torch.optim`, `torchao.optim`, `bitsandbytes.optim`)."""
+
+    args: dict[str, bool | int | float | str] = {}
+    """Keyword arguments passed to the class over the defaults (e.g. `{momentum: 0.9}`)."""
+
+    @field_validator("args")
+    @classmethod
+    def _argument_names(cls, args: dict[str, Any]) -> dict[str, Any]:
+        bad = [k for k in args if not k.isidentifier()]
+        if bad:
+            raise ValueError(f"optimizer argument names must be Python identifiers, got {bad}")
+        return args
+
+
 class RLConfig(Section):
     """RL stage settings shared by both engines."""
 
@@ -179,6 +203,9 @@ class RLConfig(Section):
     lr_warmup_steps_ratio: float = Field(0.0, ge=0.0, le=1.0)
     """verl's linear warm-up: the rate rises from 0 over the first ``int(ratio x steps)`` RL
     steps (step k at ``k / warm-up steps`` of it), then stays (paper: 0, no warm-up)."""
+
+    optimizer: OptimizerConfig = OptimizerConfig()
+    """The optimizer (paper: AdamW)."""
 
     mini_batch_prompts: int = Field(16, ge=1, le=1_000_000)
     """Prompts per PPO mini-batch (paper: 16, i.e. 4 updates per step)."""

@@ -12,7 +12,29 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipelines.config.rl import AlgorithmConfig
+from pipelines.config.rl import AlgorithmConfig, RLConfig
+from pipelines.errors import ConfigError
+
+
+def build_optimizer(params: list[Any], rl: RLConfig, *, weight_decay: float) -> Any:
+    """``rl.optimizer`` over ``params``, built by verl's own ``build_optimizer`` (what its FSDP
+    actor does with ``actor.optim``); a class that cannot be built is a config error."""
+    from verl.workers.config.optimizer import FSDPOptimizerConfig
+    from verl.workers.config.optimizer import build_optimizer as verl_build
+
+    opt = rl.optimizer
+    cfg = FSDPOptimizerConfig(lr=rl.learning_rate, weight_decay=weight_decay, optimizer=opt.name,
+                              optimizer_impl=opt.impl,
+                              override_optimizer_config=dict(opt.args) or None)
+    try:
+        return verl_build(params, cfg)
+    except (ImportError, AttributeError, TypeError, ValueError) as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ConfigError(f"rl.optimizer: cannot build {opt.impl}.{opt.name} with args "
+                          f"{dict(opt.args)}: {first}",
+                          hint="name a class of that module and only arguments it takes "
+                               "(e.g. rl.optimizer.name=SGD, rl.optimizer.args={momentum: 0.9})"
+                          ) from e
 
 
 def _actor_config(cfg: AlgorithmConfig, batch_num_tokens: int | None, global_batch_size: int | None):

@@ -59,6 +59,7 @@ from pipelines.core.checkpoints import list_checkpoints, load_checkpoint, save_c
 from pipelines.core.modeldir import LORA_MARKER
 from pipelines.core.records import Task, read_tasks
 from pipelines.errors import UserError
+from pipelines.rl.algos import build_optimizer
 from pipelines.rl.logprobs import TokenSequence, sequence_logprobs
 from pipelines.rl.rollouts import RLObserver
 from pipelines.rl.sampler import TaskSampler
@@ -227,14 +228,11 @@ class LocalEngine:
     def __init__(self, recipe: Recipe, model: Any, processor: Any,
                  items: list[tuple[Task, Path]], sampler: TaskSampler, *, judge: Any = None,
                  ref_model: Any = None) -> None:
-        import torch
-
         self.recipe, self.model, self.processor = recipe, model, processor
         self.items, self.sampler, self.judge, self.ref_model = items, sampler, judge, ref_model
         rl = recipe.rl
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=rl.learning_rate,
-                                           weight_decay=rl.local.weight_decay)
+        self.optimizer = build_optimizer(self.params, rl, weight_decay=rl.local.weight_decay)
         self.policy = self._new_policy()
         self.n_draw = math.ceil(rl.strategy.oversample_factor * rl.prompts_per_step)
         # LoRA: rollouts run on merged weights (rl.lora.merge_for_rollout).

@@ -49,6 +49,16 @@ def resolve_rl_inputs(recipe: Recipe, sd: StageDir, *, model: str | None = None,
     from pipelines.data.validate import check_media_decode
 
     check_media_decode(read, "RL prompts")
+    if recipe.rl.engine == "local":
+        # An optimizer class or argument that does not build ends here too (built on a stand-in
+        # parameter). verl builds its own in its environment, which may hold modules this one
+        # lacks.
+        import torch
+
+        from pipelines.rl.algos import build_optimizer
+
+        build_optimizer([torch.nn.Parameter(torch.zeros(1))], recipe.rl,
+                        weight_decay=recipe.rl.local.weight_decay)
     if recipe.rl.engine == "local" and recipe.rl.local.test_freq > 0:
         # Read as the engine will (and verl's export does): a bad folder ends here, not mid-stage.
         for folder in validation_sources(recipe, sd):

@@ -91,6 +91,8 @@ def hydra_value(value: Any) -> str:
         return repr(value)
     if isinstance(value, (list, tuple)):
         return "[" + ",".join(hydra_value(v) for v in value) + "]"
+    if isinstance(value, dict):  # keys are identifiers (rl.optimizer.args checks them)
+        return "{" + ",".join(f"{k}:{hydra_value(v)}" for k, v in value.items()) + "}"
     text = str(value)
     if _SAFE.match(text) and not _NOT_STRINGS.match(text):
         return text
@@ -171,6 +173,10 @@ def render(recipe: Recipe, *, model: str, paths: VerlPaths, has_val: bool,
         Override("actor_rollout_ref.model.path", model),
         Override("actor_rollout_ref.model.use_remove_padding", True),
         Override("actor_rollout_ref.model.enable_gradient_checkpointing", True),
+        Override("actor_rollout_ref.actor.optim.optimizer", rl.optimizer.name),
+        Override("actor_rollout_ref.actor.optim.optimizer_impl", rl.optimizer.impl),
+        Override("actor_rollout_ref.actor.optim.override_optimizer_config",
+                 dict(rl.optimizer.args) or None),
         Override("actor_rollout_ref.actor.optim.lr", rl.learning_rate),
         Override("actor_rollout_ref.actor.optim.lr_scheduler_type", "constant"),
         Override("actor_rollout_ref.actor.optim.lr_warmup_steps_ratio", rl.lr_warmup_steps_ratio),

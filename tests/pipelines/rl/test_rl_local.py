@@ -413,6 +413,54 @@ def test_kl_to_the_starting_policy(tiny_model_dir, rl_tasks):
     assert all(torch.equal(before[k], v) for k, v in ref.state_dict().items())
 
 
+def test_the_optimizer_is_the_configured_class_with_its_arguments(tiny_model_dir, rl_tasks):
+    """``rl.optimizer``: the class, its module and extra arguments reach the optimizer the
+    update steps (built by verl's ``build_optimizer``); the default is the paper's AdamW."""
+    from pipelines.rl.local import load_policy_model, load_rl_tasks
+    from pipelines.rl.sampler import TaskSampler
+
+    recipe = load_recipe(None, ENGINE + ["rl.optimizer.name=SGD",
+                                         "rl.optimizer.args={momentum: 0.5, nesterov: true}",
+                                         "rl.strategy.filter_zero_variance=false"])
+    model, processor = load_policy_model(recipe, str(tiny_model_dir))
+    items = load_rl_tasks([rl_tasks])
+    engine = LocalEngine(recipe, model, processor, items, TaskSampler(len(items), 0))
+    opt = engine.optimizer
+    assert type(opt) is torch.optim.SGD
+    group = opt.param_groups[0]
+    assert (group["lr"], group["momentum"], group["nesterov"], group["weight_decay"]) == \
+        (1e-3, 0.5, True, recipe.rl.local.weight_decay)
+    assert {id(p) for p in group["params"]} == {id(p) for p in model.parameters() if p.requires_grad}
+    engine.rewards = token_reward.__get__(engine)
+    engine.update(*engine.training_batch(engine.rollout()))
+    assert any("momentum_buffer" in opt.state[p] for p in group["params"])  # SGD stepped
+    default = LocalEngine(load_recipe(None, ENGINE), model, processor, items,
+                          TaskSampler(len(items), 0)).optimizer
+    assert type(default) is torch.optim.AdamW
+    assert (default.defaults["betas"], default.defaults["eps"]) == ((0.9, 0.999), 1e-8)
+
+
+@pytest.mark.parametrize("sets,words", [
+    (["rl.optimizer.name=NoSuchOptimizer"], "torch.optim.NoSuchOptimizer"),
+    (["rl.optimizer.name=SGD", "rl.optimizer.args={betas: 0.9}"], "betas"),
+    (["rl.optimizer.impl=no_such_module"], "no_such_module"),
+])
+def test_cli_rl_with_an_optimizer_that_cannot_be_built_fails_before_the_stage(
+        tiny_model_dir, rl_tasks, tmp_path, sets, words):
+    from typer.testing import CliRunner
+
+    from pyvision_cli.main import app
+
+    args = [a for s in ENGINE + ["rl.local.steps=1", f"runs_dir={tmp_path}", *sets]
+            for a in ("--set", s)]
+    result = CliRunner().invoke(app, ["rl", "--engine", "local", "--run-id", "bad-opt", "--model",
+                                      str(tiny_model_dir), "--tasks", str(rl_tasks), *args])
+    assert result.exit_code == 2, result.output
+    line = " ".join(result.output.split())
+    assert "rl.optimizer" in line and words in line and "Fix:" in line
+    assert not (tmp_path / "bad-opt").exists()  # nothing half-written
+
+
 @pytest.mark.parametrize("kl_coef", [0.0, 1.0])
 def test_the_kl_term_pulls_a_moved_policy_back_to_the_reference(tiny_model_dir, rl_tasks, kl_coef):
     """With every advantage zero the KL term is the only gradient: from a policy moved away from

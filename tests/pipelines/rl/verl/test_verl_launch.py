@@ -285,6 +285,30 @@ def test_override_values_survive_hydra_quoting(tmp_path):
     assert cfg.trainer.resume_mode == "auto" and cfg.trainer.val_before_train is False
 
 
+def test_the_optimizer_reaches_verl_as_the_local_engine_builds_it(tmp_path):
+    """``rl.optimizer`` renders to verl's ``actor.optim`` keys, and verl's FSDP actor config
+    composed from them builds the same optimizer the local engine builds."""
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.config.optimizer import build_optimizer as verl_build
+
+    from pipelines.rl.algos import build_optimizer
+
+    recipe = load_recipe(None, ("rl.optimizer.name=SGD",
+                                "rl.optimizer.args={momentum: 0.9, nesterov: true}"))
+    cfg = compose_verl(render_overrides(recipe, model="m", paths=VerlPaths(tmp_path / "rl"),
+                                        has_val=False, resume=False))
+    optim = cfg.actor_rollout_ref.actor.optim
+    assert (optim.optimizer, optim.optimizer_impl) == ("SGD", "torch.optim")
+    assert OmegaConf.to_container(optim.override_optimizer_config) == \
+        {"momentum": 0.9, "nesterov": True}
+    param = torch.nn.Parameter(torch.zeros(2))
+    theirs = verl_build([param], omega_conf_to_dataclass(optim))
+    ours = build_optimizer([param], recipe.rl, weight_decay=optim.weight_decay)
+    assert type(theirs) is type(ours) is torch.optim.SGD
+    keep = ("lr", "momentum", "nesterov", "weight_decay", "dampening")
+    assert {k: theirs.defaults[k] for k in keep} == {k: ours.defaults[k] for k in keep}
+
+
 # -- reward through verl's naive reward manager --------------------------------------------------
 
 
