@@ -47,7 +47,9 @@ def _valid_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
 
 
 # Keys that moved, old -> new: a recipe that still uses the old one is told where it went.
-MOVED_KEYS = {"rl.verl.val_tasks": "rl.val_tasks"}
+MOVED_KEYS = {"rl.verl.val_tasks": "rl.val_tasks",
+              "rl.local.weight_decay": "rl.optimizer.weight_decay",
+              "rl.local.grad_clip": "rl.optimizer.grad_clip"}
 
 
 def check_unknown_keys(model: type[BaseModel], data: Any, source: str, prefix: str = "") -> None:

@@ -74,12 +74,6 @@ class LocalEngineConfig(Section):
     mini_batch_groups: int = Field(4, ge=1, le=100_000)
     """Groups per optimiser update within a step."""
 
-    grad_clip: float = Field(1.0, gt=0.0, le=1000.0)
-    """Gradient-norm clip."""
-
-    weight_decay: float = Field(0.01, ge=0.0, le=1.0)
-    """AdamW weight decay."""
-
     save_every: int = Field(10, ge=1, le=1_000_000)
     """Checkpoint every N steps (HF weights + optimizer + RNG state)."""
 
@@ -163,9 +157,10 @@ class LoraRLConfig(Section):
 
 class OptimizerConfig(Section):
     """The actor's optimizer, built the way verl builds it in both engines: the class ``name``
-    from the module ``impl``, with the stage's learning rate and weight decay (and the betas of
-    an Adam-like class), then ``args`` on top (verl's ``actor.optim.optimizer``,
-    ``optimizer_impl`` and ``override_optimizer_config``)."""
+    from the module ``impl``, with the stage's learning rate and ``weight_decay`` (and the betas
+    of an Adam-like class), then ``args`` on top (verl's ``actor.optim.optimizer``,
+    ``optimizer_impl``, ``weight_decay`` and ``override_optimizer_config``); gradients are
+    clipped to ``grad_clip`` first (``actor.optim.clip_grad``)."""
 
     name: str = Field("AdamW", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
     """Optimizer class (paper: AdamW; e.g. `SGD`, or `AdamW8bit` with `bitsandbytes.optim`)."""
@@ -175,6 +170,12 @@ class OptimizerConfig(Section):
 
     args: dict[str, bool | int | float | str] = {}
     """Keyword arguments passed to the class over the defaults (e.g. `{momentum: 0.9}`)."""
+
+    weight_decay: float = Field(0.01, ge=0.0, le=1.0)
+    """Weight decay (paper: 0.01)."""
+
+    grad_clip: float = Field(1.0, gt=0.0, le=1000.0)
+    """Gradient-norm clip before each optimizer step (paper: 1.0)."""
 
     @field_validator("args")
     @classmethod

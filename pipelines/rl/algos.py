@@ -16,14 +16,14 @@ from pipelines.config.rl import AlgorithmConfig, RLConfig
 from pipelines.errors import ConfigError
 
 
-def build_optimizer(params: list[Any], rl: RLConfig, *, weight_decay: float) -> Any:
+def build_optimizer(params: list[Any], rl: RLConfig) -> Any:
     """``rl.optimizer`` over ``params``, built by verl's own ``build_optimizer`` (what its FSDP
     actor does with ``actor.optim``); a class that cannot be built is a config error."""
     from verl.workers.config.optimizer import FSDPOptimizerConfig
     from verl.workers.config.optimizer import build_optimizer as verl_build
 
     opt = rl.optimizer
-    cfg = FSDPOptimizerConfig(lr=rl.learning_rate, weight_decay=weight_decay, optimizer=opt.name,
+    cfg = FSDPOptimizerConfig(lr=rl.learning_rate, weight_decay=opt.weight_decay, optimizer=opt.name,
                               optimizer_impl=opt.impl,
                               override_optimizer_config=dict(opt.args) or None)
     try:

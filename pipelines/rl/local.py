@@ -232,7 +232,7 @@ class LocalEngine:
         self.items, self.sampler, self.judge, self.ref_model = items, sampler, judge, ref_model
         rl = recipe.rl
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = build_optimizer(self.params, rl, weight_decay=rl.local.weight_decay)
+        self.optimizer = build_optimizer(self.params, rl)
         self.policy = self._new_policy()
         self.n_draw = math.ceil(rl.strategy.oversample_factor * rl.prompts_per_step)
         # LoRA: rollouts run on merged weights (rl.lora.merge_for_rollout).
@@ -479,7 +479,7 @@ class LocalEngine:
                     for key, value in m.items():
                         stats[key] += value * len(part) / len(idx)
                     tokens += sum(len(seqs[i].input_ids) for i in part)
-                norm = torch.nn.utils.clip_grad_norm_(self.params, rl.local.grad_clip)
+                norm = torch.nn.utils.clip_grad_norm_(self.params, rl.optimizer.grad_clip)
                 norms.append(float(norm))
                 self.optimizer.step()
                 updates += 1

@@ -117,6 +117,12 @@ def test_a_moved_key_names_where_it_went():
     with pytest.raises(ConfigError, match=r"'rl\.verl\.val_tasks'.*moved to 'rl\.val_tasks'"):
         load_recipe(None, ["rl.verl.val_tasks=[data/vstar]"])
     assert load_recipe(None, ["rl.val_tasks=[data/vstar]"]).rl.val_tasks == ["data/vstar"]
+    # The optimizer's weight decay and clip are both engines' now, not the local engine's.
+    for old, new in (("rl.local.weight_decay", "rl.optimizer.weight_decay"),
+                     ("rl.local.grad_clip", "rl.optimizer.grad_clip")):
+        with pytest.raises(ConfigError, match=rf"'{old}'.*moved to '{new}'"):
+            load_recipe(None, [f"{old}=0.1"])
+        assert load_recipe(None, [f"{new}=0.1"]).rl.optimizer.model_dump()[new.split(".")[-1]] == 0.1
 
 
 def test_out_of_bounds_value_is_located():

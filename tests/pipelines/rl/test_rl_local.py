@@ -429,7 +429,7 @@ def test_the_optimizer_is_the_configured_class_with_its_arguments(tiny_model_dir
     assert type(opt) is torch.optim.SGD
     group = opt.param_groups[0]
     assert (group["lr"], group["momentum"], group["nesterov"], group["weight_decay"]) == \
-        (1e-3, 0.5, True, recipe.rl.local.weight_decay)
+        (1e-3, 0.5, True, recipe.rl.optimizer.weight_decay)
     assert {id(p) for p in group["params"]} == {id(p) for p in model.parameters() if p.requires_grad}
     engine.rewards = token_reward.__get__(engine)
     engine.update(*engine.training_batch(engine.rollout()))

@@ -293,17 +293,19 @@ def test_the_optimizer_reaches_verl_as_the_local_engine_builds_it(tmp_path):
 
     from pipelines.rl.algos import build_optimizer
 
-    recipe = load_recipe(None, ("rl.optimizer.name=SGD",
+    recipe = load_recipe(None, ("rl.optimizer.name=SGD", "rl.optimizer.weight_decay=0.05",
+                                "rl.optimizer.grad_clip=0.5",
                                 "rl.optimizer.args={momentum: 0.9, nesterov: true}"))
     cfg = compose_verl(render_overrides(recipe, model="m", paths=VerlPaths(tmp_path / "rl"),
                                         has_val=False, resume=False))
     optim = cfg.actor_rollout_ref.actor.optim
-    assert (optim.optimizer, optim.optimizer_impl) == ("SGD", "torch.optim")
+    assert (optim.optimizer, optim.optimizer_impl, optim.weight_decay, optim.clip_grad) == \
+        ("SGD", "torch.optim", 0.05, 0.5)
     assert OmegaConf.to_container(optim.override_optimizer_config) == \
         {"momentum": 0.9, "nesterov": True}
     param = torch.nn.Parameter(torch.zeros(2))
     theirs = verl_build([param], omega_conf_to_dataclass(optim))
-    ours = build_optimizer([param], recipe.rl, weight_decay=optim.weight_decay)
+    ours = build_optimizer([param], recipe.rl)
     assert type(theirs) is type(ours) is torch.optim.SGD
     keep = ("lr", "momentum", "nesterov", "weight_decay", "dampening")
     assert {k: theirs.defaults[k] for k in keep} == {k: ours.defaults[k] for k in keep}
