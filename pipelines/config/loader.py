@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import re
 import types
 import typing
 from collections.abc import Iterable
@@ -145,11 +146,34 @@ def validate(model: type[M], data: dict[str, Any], source: str) -> M:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
-        more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
-        raise ConfigError(f"invalid value for '{loc}' in {source}: {err['msg']}{more}",
+        errors = exc.errors()
+        path, msg, used = _first_error(errors)
+        loc = ".".join(str(p) for p in path) or "(top level)"
+        more = f" (and {len(errors) - used} more)" if len(errors) > used else ""
+        raise ConfigError(f"invalid value for '{loc}' in {source}: {msg}{more}",
                           hint=f"set a valid '{loc}' in the file or with --set {loc}=VALUE") from None
+
+
+def _first_error(errors: list[Any]) -> tuple[tuple, str, int]:
+    """(location, message, errors it stands for) of the first validation error. A value that
+    matches no member of a union (``bool | int | float | str``) fails once per member, each
+    located with the member's tag appended (``args.x.int``): those read as one error at the
+    value's own location, whose message names what each member wanted."""
+    first = errors[0]
+    loc = tuple(first["loc"])
+    members = [e for e in errors if tuple(e["loc"][:-1]) == loc[:-1] and len(e["loc"]) == len(loc)
+               and _UNION_TAG.match(str(e["loc"][-1])) and e.get("input") is first.get("input")]
+    if len(loc) > 1 and len(members) > 1:
+        wants = [e["msg"].removeprefix("Input should be ") for e in members]
+        return (loc[:-1], "Input should be " + ", ".join(wants[:-1]) + " or " + wants[-1],
+                len(members))
+    return loc, first["msg"], 1
+
+
+# How pydantic tags a union member in an error's location: a type's name (``int``,
+# ``list[str]``, ``function-after[...]``) or a model's class name; config keys are snake_case.
+_UNION_TAG = re.compile(r"^(bool|int|float|str|bytes|none|list|dict|tuple|set|frozenset|literal"
+                        r"|function-\w+|[A-Z]\w*)(\[.*\])?$")
 
 
 def load_config(model: type[M], path: str | Path | None, overrides: Iterable[str] = (),

@@ -125,6 +125,20 @@ def test_a_moved_key_names_where_it_went():
         assert load_recipe(None, [f"{new}=0.1"]).rl.optimizer.model_dump()[new.split(".")[-1]] == 0.1
 
 
+def test_a_value_no_union_member_takes_is_one_error_at_its_own_key():
+    # pydantic fails it once per member, located `args.x.bool`, `args.x.int`, ...: the message
+    # names the key the user wrote and what each member wanted, and the hint a key that exists.
+    with pytest.raises(ConfigError) as e:
+        load_recipe(None, ["rl.optimizer.args={x: [1]}"])
+    line = e.value.one_line()
+    assert "invalid value for 'rl.optimizer.args.x' " in line and "(and" not in line
+    assert "a valid boolean, a valid integer, a valid number or a valid string" in line
+    assert "--set rl.optimizer.args.x=VALUE" in line
+    # Two keys of one section that are both wrong stay two errors, the first one named.
+    with pytest.raises(ConfigError, match=r"'rl\.n'.*greater than or equal to 2 \(and 1 more\)"):
+        load_recipe(None, ["rl.n=1", "rl.learning_rate=-1"])
+
+
 def test_out_of_bounds_value_is_located():
     with pytest.raises(ConfigError, match=r"'rl\.n'.*greater than or equal to 2"):
         load_recipe(None, ["rl.n=1"])
