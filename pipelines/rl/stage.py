@@ -58,10 +58,11 @@ def resolve_rl_inputs(recipe: Recipe, sd: StageDir, *, model: str | None = None,
         from pipelines.rl.algos import build_optimizer
 
         build_optimizer([torch.nn.Parameter(torch.zeros(1))], recipe.rl)
-    if recipe.rl.engine == "local" and recipe.rl.local.test_freq > 0:
-        # Read as the engine will (and verl's export does): a bad folder ends here, not mid-stage.
-        for folder in validation_sources(recipe, sd):
-            read_tasks(folder, strict=recipe.data.strict)
+        if recipe.rl.local.test_freq > 0:
+            # Read as the engine will (and verl's export does): a bad folder ends here, not
+            # mid-stage.
+            for folder in validation_sources(recipe, sd):
+                read_tasks(folder, strict=recipe.data.strict)
     return model, [str(t) for t in task_dirs]
 
 
