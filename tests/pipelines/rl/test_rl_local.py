@@ -776,3 +776,160 @@ def test_lora_rollouts_run_on_merged_weights_restored_exactly(tiny_model_dir, rl
                 x.unmerge()
         assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters())
     assert engine.update(*engine.training_batch(batch))["train/updates"] >= 1
+
+
+def test_self_imitation_pool_is_what_the_reward_scores_right(tiny_model_dir, rl_tasks):
+    """``rl.self_imitation``'s pool: the starting policy's greedy answers to ``prompts`` RL
+    prompts drawn by the seed alone, keeping exactly the trajectories the reward calls correct
+    (so never a malformed one: the reward scores those wrong)."""
+    from pipelines.rl.local import load_policy_model, load_rl_tasks
+    from pipelines.rl.sampler import TaskSampler
+
+    recipe = load_recipe(None, ENGINE + ["rl.self_imitation.coef=0.5",
+                                         "rl.self_imitation.prompts=4"])
+    model, processor = load_policy_model(recipe, str(tiny_model_dir))
+    items = load_rl_tasks([rl_tasks])
+    engine = LocalEngine(recipe, model, processor, items, TaskSampler(len(items), 0))
+
+    def every_other(pairs):  # a stand-in verdict: the first and third prompts answered right
+        return [RewardBreakdown(1.0, 1.0, 0.0, 0.0, t.group_index % 2 == 0, "test", False, False)
+                for _, t in pairs]
+
+    engine.rewards = every_other
+    seen = []
+    real = engine._greedy
+
+    def greedy(chosen):
+        trajs, rewards = real(chosen)
+        seen.append(([task.id for task, _ in chosen], trajs, rewards))
+        return trajs, rewards
+
+    engine._greedy = greedy
+    m = engine.fill_replay()
+    (ids, trajs, rewards), = seen
+    assert len(ids) == len(set(ids)) == 4 and m["self_imitation/prompts"] == 4
+    right = [t for t, r in zip(trajs, rewards) if r.correct]
+    assert len(right) == 2
+    assert m["self_imitation/pool"] == len(engine.replay) == len(right)
+    for seq, t in zip(engine.replay, right):
+        assert (seq.input_ids, seq.response_mask) == (t.trace.input_ids, t.trace.response_mask)
+    # The same seed draws the same prompts; greedy answers do not depend on the global RNG.
+    again = LocalEngine(recipe, model, processor, items, TaskSampler(len(items), 0))
+    again.rewards = every_other
+    torch.manual_seed(123)
+    again.fill_replay()
+    assert [s.input_ids for s in again.replay] == [s.input_ids for s in engine.replay]
+
+
+@pytest.mark.parametrize("coef", [0.0, 1.0])
+def test_self_imitation_raises_the_pools_likelihood(tiny_model_dir, rl_tasks, coef):
+    """With every advantage zero the replayed trajectories are the only gradient: updates must
+    lower their NLL, and without the term nothing may move."""
+    from pipelines.rl.local import load_policy_model, load_rl_tasks
+    from pipelines.rl.logprobs import sequence_logprobs
+    from pipelines.rl.sampler import TaskSampler
+
+    recipe = load_recipe(None, ENGINE + [f"rl.self_imitation.coef={coef}",
+                                         "rl.self_imitation.batch=2",
+                                         "rl.strategy.filter_zero_variance=false"])
+    model, processor = load_policy_model(recipe, str(tiny_model_dir))
+    items = load_rl_tasks([rl_tasks])
+    engine = LocalEngine(recipe, model, processor, items, TaskSampler(len(items), 0))
+    engine.rewards = lambda pairs: [RewardBreakdown(0.5, 0.5, 0.0, 0.0, True, "test", False, False)
+                                    for _ in pairs]
+    seqs, advs, groups = engine.training_batch(engine.rollout())
+    assert seqs and set(advs) == {0.0}
+    engine.replay = seqs[:2]
+
+    def nll() -> float:
+        with torch.no_grad():
+            lp, _, mask = sequence_logprobs(model, processor, engine.replay, temperature=1.0)
+            return float(-(lp * mask).sum() / mask.sum())
+
+    before = nll()
+    for step in range(3):
+        engine.step = step
+        m = engine.update(seqs, advs, groups)
+    after = nll()
+    if coef:
+        assert m["train/self_imitation_nll"] > 0
+        assert after < 0.9 * before, (before, after)
+    else:
+        assert "train/self_imitation_nll" not in m
+        assert after == pytest.approx(before, rel=1e-6)
+
+
+def test_self_imitation_draws_follow_the_seed_step_and_update(tiny_model_dir, rl_tasks):
+    """Which pool trajectories an update replays depends on the seed, the step and the update
+    only, so a resumed run replays what the uninterrupted one would have."""
+    from pipelines.rl.local import load_policy_model, load_rl_tasks
+    from pipelines.rl.logprobs import TokenSequence
+    from pipelines.rl.sampler import TaskSampler
+
+    recipe = load_recipe(None, ENGINE + ["rl.self_imitation.coef=1", "rl.self_imitation.batch=2"])
+    model, processor = load_policy_model(recipe, str(tiny_model_dir))
+    items = load_rl_tasks([rl_tasks])
+
+    def draws(step: int, update: int) -> list[int]:
+        engine = LocalEngine(recipe, model, processor, items, TaskSampler(len(items), 0))
+        engine.replay = [TokenSequence([i], [], 1) for i in range(10)]
+        engine.step = step
+        picked = []
+        engine._logprobs = lambda m, part, with_entropy: (
+            picked.extend(s.input_ids[0] for s in part)
+            or (torch.zeros(len(part), 1, requires_grad=True), None, torch.ones(len(part), 1)))
+        engine._imitate(update)
+        return picked
+
+    torch.manual_seed(0)
+    first = draws(3, 1)
+    torch.manual_seed(1)
+    assert draws(3, 1) == first and len(set(first)) == 2
+    assert {tuple(draws(s, u)) for s, u in [(3, 1), (3, 2), (4, 1), (5, 0)]} != {tuple(first)}
+
+
+def test_resume_with_self_imitation_replays_the_same_pool(tiny_model_dir, rl_tasks, tmp_path,
+                                                          monkeypatch):
+    """A run killed after its step-2 checkpoint and resumed draws its pool again from the
+    starting model (not the checkpoint) and ends with the uninterrupted run's weights."""
+    from pipelines.rl import local
+
+    def reward(self, pairs):  # token_reward's values; the first, third ... prompt "right"
+        return [dataclasses.replace(r, correct=t.group_index % 2 == 0)
+                for r, (_, t) in zip(token_reward(self, pairs), pairs)]
+
+    monkeypatch.setattr(LocalEngine, "rewards", reward)
+    filled_by = []  # the weights each pool was drawn with
+    real_fill = LocalEngine.fill_replay
+
+    def fill(self):
+        filled_by.append({k: v.clone() for k, v in self.model.state_dict().items()})
+        return real_fill(self)
+
+    monkeypatch.setattr(LocalEngine, "fill_replay", fill)
+    recipe = load_recipe(None, ENGINE + ["rl.local.steps=3", "rl.self_imitation.coef=1",
+                                         "rl.self_imitation.prompts=4"])
+    sd_a, store_a, _ = run_rl(recipe, tmp_path / "a", "straight", tiny_model_dir, rl_tasks)
+    real_save = local.save_checkpoint
+
+    def save_then_die(root, step, *args, **kwargs):
+        path = real_save(root, step, *args, **kwargs)
+        if step == 2:
+            raise KeyboardInterrupt
+        return path
+
+    monkeypatch.setattr(local, "save_checkpoint", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        run_rl(recipe, tmp_path / "b", "split", tiny_model_dir, rl_tasks)
+    monkeypatch.setattr(local, "save_checkpoint", real_save)
+    sd_b, store_b, summary = run_rl(recipe, tmp_path / "b", "split", tiny_model_dir, rl_tasks,
+                                    resume=True)
+    assert summary["resumed_from"] == 2
+    want, got = per_step(store_a, "straight"), per_step(store_b, "split")
+    assert want[2]["self_imitation/pool"] == got[2]["self_imitation/pool"] == 2
+    assert got[2]["train/self_imitation_nll"] == pytest.approx(want[2]["train/self_imitation_nll"],
+                                                               rel=1e-6)
+    a, b = weights(sd_a.path / "model"), weights(sd_b.path / "model")
+    assert all(torch.allclose(a[k], b[k], rtol=0, atol=1e-6) for k in a)
+    start, _, resumed = filled_by  # straight run, killed run, resumed run
+    assert all(torch.equal(start[k], resumed[k]) for k in start)
