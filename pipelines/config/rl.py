@@ -186,25 +186,6 @@ class OptimizerConfig(Section):
         return args
 
 
-class SelfImitationConfig(Section):
-    """Replay of the starting policy's own right answers during RL (self-imitation, as in
-    RAFT / ReST: reward-filtered samples of the policy trained on by likelihood). Before the
-    first step the starting model answers ``prompts`` RL prompts greedily; the trajectories the
-    reward scores right form a fixed pool, and every PPO update adds ``coef`` times the mean
-    negative log-likelihood of ``batch`` of them. Families the starting model already solves
-    rarely reach the update (their groups have zero variance and are filtered), so nothing
-    else keeps RL on another family from moving their shared code. 0: off (the paper)."""
-
-    coef: float = Field(0.0, ge=0.0, le=100.0)
-    """Weight of the replayed trajectories' token-mean NLL in each update's loss."""
-
-    prompts: int = Field(32, ge=1, le=1_000_000)
-    """RL prompts the starting model answers once, greedily, to fill the pool."""
-
-    batch: int = Field(4, ge=1, le=1024)
-    """Pool trajectories replayed in each update."""
-
-
 class RLConfig(Section):
     """RL stage settings shared by both engines."""
 
@@ -249,9 +230,6 @@ class RLConfig(Section):
     response limit contribute no loss (their tokens are masked), so the policy is not pushed to
     answer early just because long explorations were cut; they still count in their group's
     mean reward."""
-
-    self_imitation: SelfImitationConfig = SelfImitationConfig()
-    """Replay the starting model's right answers (local engine only)."""
 
     lora: LoraRLConfig = LoraRLConfig()
     """LoRA RL: the local engine trains peft adapters (merged into the final model by the merge

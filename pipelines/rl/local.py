@@ -238,8 +238,6 @@ class LocalEngine:
         # LoRA: rollouts run on merged weights (rl.lora.merge_for_rollout).
         merged = MergedAdapters(model) if rl.lora.enabled and rl.lora.merge_for_rollout else None
         self.merged = merged if merged and merged.layers else None  # None: no adapters attached
-        self.replay: list[TokenSequence] = []  # rl.self_imitation's pool (fill_replay)
-        self.step = 0  # the RL step being trained (seeds the replay draws)
         tok = processor.tokenizer
         self._vision_pads = sorted({tok.convert_tokens_to_ids(t)
                                     for t in ("<|image_pad|>", "<|video_pad|>")})
@@ -354,11 +352,13 @@ class LocalEngine:
                             generation_s=sum(t.generation_s for t in trajectories),
                             reward_s=reward_s)
 
-    def _greedy(self, items: list[tuple[Task, Path]]) -> tuple[list[Any], list[RewardBreakdown]]:
-        """One greedy trajectory per task (the evaluation's sampling and turn limit) and its
-        reward, in task order. It leaves training as it was: the random states are restored and
-        the trajectories run on a policy of their own (the rollouts' drafts stay the
-        rollouts')."""
+    def validate(self, items: list[tuple[Task, Path]]) -> dict[str, float]:
+        """verl's validation: one greedy trajectory per task (the evaluation's sampling and turn
+        limit), scored by the reward. ``val/accuracy``, ``val/reward`` (the mean reward), and
+        ``val/<data source>/accuracy`` for each data source. It leaves training as it was: the
+        random states are restored and the trajectories run on a policy of their own (the
+        rollouts' drafts stay the rollouts'), so a run validates without changing what it
+        learns."""
         import random
 
         import numpy as np
@@ -375,33 +375,7 @@ class LocalEngine:
         random.setstate(states[0])
         np.random.set_state(states[1])
         trajs.sort(key=lambda t: t.group_index)
-        return trajs, self.rewards([(items[t.group_index][0], t) for t in trajs])
-
-    def fill_replay(self) -> dict[str, float]:
-        """The self-imitation pool (``rl.self_imitation``): the current (starting) policy's
-        greedy answers to ``prompts`` RL prompts, drawn by the seed alone, that the reward
-        scores right (never a malformed one: the reward scores those wrong), as token
-        sequences. Returns its metrics."""
-        import random
-
-        si = self.recipe.rl.self_imitation
-        draw = random.Random(f"self-imitation-{self.recipe.seed}")
-        chosen = draw.sample(range(len(self.items)), min(si.prompts, len(self.items)))
-        items = [self.items[i] for i in chosen]
-        trajs, rewards = self._greedy(items)
-        self.replay = [TokenSequence(t.trace.input_ids, t.trace.response_mask,
-                                     t.trace.prompt_len, t.trace.images, t.trace.temperatures)
-                       for t, r in zip(trajs, rewards) if r.correct]
-        return {"self_imitation/prompts": float(len(items)),
-                "self_imitation/pool": float(len(self.replay))}
-
-    def validate(self, items: list[tuple[Task, Path]]) -> dict[str, float]:
-        """verl's validation: one greedy trajectory per task (the evaluation's sampling and turn
-        limit), scored by the reward. ``val/accuracy``, ``val/reward`` (the mean reward), and
-        ``val/<data source>/accuracy`` for each data source. Like every greedy pass it leaves
-        training as it was (:meth:`_greedy`), so a run validates without changing what it
-        learns."""
-        trajs, rewards = self._greedy(items)
+        rewards = self.rewards([(items[t.group_index][0], t) for t in trajs])
         by_source: dict[str, list[float]] = {}
         for t, r in zip(trajs, rewards):
             by_source.setdefault(t.data_source, []).append(float(r.correct))
@@ -505,8 +479,6 @@ class LocalEngine:
                     for key, value in m.items():
                         stats[key] += value * len(part) / len(idx)
                     tokens += sum(len(seqs[i].input_ids) for i in part)
-                if self.replay and rl.self_imitation.coef > 0:
-                    stats["self_imitation_nll"] += self._imitate(updates)
                 norm = torch.nn.utils.clip_grad_norm_(self.params, rl.optimizer.grad_clip)
                 norms.append(float(norm))
                 self.optimizer.step()
@@ -519,21 +491,6 @@ class LocalEngine:
         out["train/sequences"] = float(len(seqs))
         out["train/tokens"] = float(tokens)
         return out
-
-    def _imitate(self, update: int) -> float:
-        """Add ``rl.self_imitation.coef`` times the token-mean NLL of ``batch`` pool trajectories
-        to the gradients of update ``update`` of this step; returns the NLL. The draw depends on
-        the seed, the step and the update alone, so a resumed run draws what it would have."""
-        import random
-
-        si, seed = self.recipe.rl.self_imitation, self.recipe.seed
-        draw = random.Random(f"self-imitation-{seed}-{self.step}-{update}")
-        part = [self.replay[i] for i in draw.sample(range(len(self.replay)),
-                                                     min(si.batch, len(self.replay)))]
-        lp, _, mask = self._logprobs(self.model, part, with_entropy=False)
-        nll = -(lp * mask).sum() / mask.sum()
-        (si.coef * nll).backward()
-        return float(nll.detach())
 
 
 def train_local(recipe: Recipe, sd: StageDir, *, model_path: str, task_dirs: list[str | Path],
@@ -582,16 +539,6 @@ def train_local(recipe: Recipe, sd: StageDir, *, model_path: str, task_dirs: lis
         start_step = int(state["step"])
         history = list(state.get("extra", {}).get("history", []))
         err.print(f"resuming RL from {latest} (step {start_step})", markup=False)
-    replay_metrics: dict[str, float] = {}
-    if rl.self_imitation.coef > 0:
-        # The pool is the starting model's: on resume it is drawn again from that model.
-        starter = engine if latest is None else LocalEngine(
-            recipe, load_policy_model(recipe, model_path)[0], processor, items,
-            TaskSampler(len(items), recipe.seed), judge=judge)
-        replay_metrics = starter.fill_replay()
-        engine.replay = starter.replay
-        err.print(f"self-imitation pool: {len(engine.replay)} right answers of "
-                  f"{int(replay_metrics['self_imitation/prompts'])} prompts", markup=False)
     if sd.store is not None:
         # Steps from start_step on are logged again (all of them when starting from step 0).
         sd.store.delete_metrics_after(sd.run_id, "rl", start_step - 1)
@@ -614,13 +561,11 @@ def train_local(recipe: Recipe, sd: StageDir, *, model_path: str, task_dirs: lis
             # Logged at the step whose rollouts these weights generate (after ``step`` updates).
             val = validate(step)
             lr = engine.set_lr_for(step, local.steps)
-            engine.step = step
             batch = engine.rollout()
             t1 = time.monotonic()
             train_metrics = engine.update(*engine.training_batch(batch))
             train_s = time.monotonic() - t1
-            metrics = {**step_metrics(batch, train_metrics, train_s), "train/lr": lr, **val,
-                       **replay_metrics}
+            metrics = {**step_metrics(batch, train_metrics, train_s), "train/lr": lr, **val}
             history.append(metrics)
             if sd.store is not None:
                 sd.store.log_metrics(sd.run_id, "rl", step, metrics)

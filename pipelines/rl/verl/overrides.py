@@ -112,9 +112,6 @@ CODE_TEMPERATURE_UNSUPPORTED = (
     "one temperature and verl's actor rescales every logit of a batch by "
     "actor_rollout_ref.rollout.temperature, so tokens inside <code> could be sampled at another "
     "temperature but not trained under it")
-SELF_IMITATION_UNSUPPORTED = (
-    "rl.self_imitation is not supported by the verl engine: verl's actor update has no loss term "
-    "over trajectories other than the step's rollouts")
 # peft regex (full match) of the modules LoRA must leave alone: the vision tower.
 LORA_EXCLUDE = ".*visual.*"
 
@@ -146,10 +143,6 @@ def render(recipe: Recipe, *, model: str, paths: VerlPaths, has_val: bool,
                         hint="unset agent.code_temperature (--set agent.code_temperature=null), "
                              "or train with --engine local, which samples and trains each token "
                              "at its own temperature")
-    if rl.self_imitation.coef > 0:
-        raise UserError(SELF_IMITATION_UNSUPPORTED,
-                        hint="set rl.self_imitation.coef=0 for verl (--set "
-                             "rl.self_imitation.coef=0), or train with --engine local")
     test_freq = verl.test_freq if has_val else -1
     tokens = rl.max_prompt_tokens + rl.max_response_tokens
     strategy = rl.strategy.model_dump()

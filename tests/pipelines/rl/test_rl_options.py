@@ -231,14 +231,3 @@ def test_lora_targets_that_match_nothing_are_an_error(tiny_model_dir):
     model, _ = load_policy_model(recipe, str(tiny_model_dir))
     with pytest.raises((UserError, ValueError)):
         attach_lora(model, recipe.rl.lora)
-
-
-def test_self_imitation_is_refused_by_verl_at_compose_time(tmp_path):
-    from pipelines.rl.verl.overrides import VerlPaths, render
-
-    recipe = load_recipe(None, ("rl.self_imitation.coef=0.3",))
-    with pytest.raises(UserError, match="rl.self_imitation is not supported by the verl") as e:
-        render(recipe, model="m", paths=VerlPaths(tmp_path / "rl"), has_val=False, resume=False)
-    assert "rl.self_imitation.coef=0" in e.value.hint
-    off = load_recipe(None, ("rl.self_imitation.coef=0",))
-    assert render(off, model="m", paths=VerlPaths(tmp_path / "rl"), has_val=False, resume=False)
