@@ -47,10 +47,10 @@ _ANSWER_TURN = "<answer>\n\\boxed{A}\n</answer>"
 
 # What the in-process policy counts (``decode_batch``'s ``stats``, ``HFPolicy.cache_stats``):
 # token positions through prefills (padding included) and the real tokens among them, tokens
-# whose states a turn reused, decode steps, rows summed over the steps, cached positions
-# attended over summed over the rows.
-_WORK = ("prefill_slots", "tokens_prefilled", "tokens_reused", "decode_steps", "decode_rows",
-         "decode_keys", "draft_tokens", "draft_kept")
+# whose states a turn reused (its own) or shared (a kept prompt head), decode steps, rows summed
+# over the steps, cached positions attended over summed over the rows.
+_WORK = ("prefill_slots", "tokens_prefilled", "tokens_reused", "tokens_shared", "decode_steps",
+         "decode_rows", "decode_keys", "draft_tokens", "draft_kept")
 
 
 def _summary(records: list[dict[str, Any]], seconds: float) -> dict[str, Any]:

@@ -521,6 +521,25 @@ def initial_positions(model: Any, ids: Any, attn: Any, vision: dict[str, Any]) -
     return text[None].expand(3, -1, -1).clone()
 
 
+def text_states(model: Any, ids: Sequence[int]) -> list[tuple[Any, Any]]:
+    """The KV states (per layer ``(keys, values)``, ``[heads, len(ids), dim]``) of a run of text
+    tokens at the start of a context (positions ``0 .. len(ids) - 1``): one prefill of one row,
+    as :func:`decode_batch` prefills. A prompt's shared head (``hf.py``) is computed once with
+    this and continued by every episode that starts with it."""
+    import torch
+
+    device = next(model.parameters()).device
+    row = torch.tensor([list(ids)], dtype=torch.long, device=device)
+    attn = torch.ones_like(row)
+    cache = _growing_cache(model)
+    with _use_decode_attention(model):
+        _prefill(model, lean_step(model), row, attn, initial_positions(model, row, attn, {}),
+                 cache, {})
+    n = len(ids)
+    return [(layer.keys[0, :, :n].clone(), layer.values[0, :, :n].clone())
+            for layer in cache.layers]
+
+
 def decode_batch(model: Any, ids: Any, attn: Any, vision: dict[str, Any], *, max_new_tokens: int,
                  temperature: float, top_p: float, stops: Callable[[list[int]], bool],
                  eos_ids: Sequence[int], suppress: Sequence[int] = (),

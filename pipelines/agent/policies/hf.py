@@ -15,11 +15,20 @@ used only while the context still starts with the tokens they were computed for,
 weights (an optimizer step changes ``_weights()``), and never split an image; otherwise the
 turn prefills its whole context. ``end`` (which the agent loop calls for every episode, finished
 or abandoned) drops them.
+
+Episodes also share their prompts' heads (``share_prefixes``, with ``reuse_cache``): every task of
+a family starts with the same system prompt and instructions (about 200 of a demo prompt's
+230-266 tokens) and differs only from its question on. The states of an episode's text before its
+first image are kept (a few prompt heads, the most recently used), and a new episode whose
+context starts with at least ``MIN_SHARED`` tokens of one continues those states, as a later turn
+continues its own: its first turn prefills only its question and image. This is vLLM's
+automatic prefix caching, for the in-process policy; the logits differ from a whole prefill by
+float32 rounding only (``tests/pipelines/agent/test_kv_reuse.py``).
 """
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +48,24 @@ class _Cached:
     weights: tuple | None             # HFPolicy._weights() when they were computed
     n_image_tokens: int               # image pad tokens among ``ids``
     next_position: int                # the (m)RoPE position of the token after ``ids``
+    shared: bool = False              # a kept prompt head's, not the episode's own
+
+
+# A new episode continues a kept prompt head when it shares at least this many tokens with it.
+# A shorter common head (a chat template's system line and the user turn's opening, 30-35 tokens
+# before an image prompt's image) is prefilled with its row: not worth a forward pass of its own.
+MIN_SHARED = 64
+# Prompt heads kept at once (least recently used dropped first): one per prompt family in use.
+MAX_SHARED = 8
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
 
 
 class HFPolicy:
@@ -49,7 +76,8 @@ class HFPolicy:
 
     def __init__(self, model: Any, processor: Any, *, image_min_pixels: int = 3136,
                  image_max_pixels: int = 2_000_000, image_factor: int = 28,
-                 reuse_cache: bool = True, draft_tokens: int = 0, threads: int = 0) -> None:
+                 reuse_cache: bool = True, share_prefixes: bool = True, draft_tokens: int = 0,
+                 threads: int = 0) -> None:
         self.model = model
         self.processor = processor
         self.tokenizer = processor.tokenizer
@@ -71,6 +99,11 @@ class HFPolicy:
         # Qwen2.5-VL and Qwen3-VL with full attention only (a sliding window would need the
         # padding this cache adds to stay out of its window).
         self.reuse_cache = reuse_cache
+        # New episodes continue the kept states of a prompt head they start with (module
+        # docstring); only with ``reuse_cache``. Keyed by the head's tokens.
+        self.share_prefixes = share_prefixes
+        self._heads: OrderedDict[tuple[int, ...], _Cached] = OrderedDict()
+        self._vision_start = getattr(model.config, "vision_start_token_id", None)
         text = model.config.get_text_config()
         self._reusable = model.config.model_type in ("qwen2_5_vl", "qwen3_vl") and \
             set(getattr(text, "layer_types", None) or ["full_attention"]) == {"full_attention"}
@@ -158,6 +191,8 @@ class HFPolicy:
         device = next(self.model.parameters()).device
         reuse = self.reuse_cache and self._reusable
         weights = self._weights() if reuse else None
+        if reuse and self.share_prefixes:
+            self._share_heads(handles, weights)
         starts = [self._cached_prefix(h, weights) if reuse else (0, 0) for h in handles]
         before = [len(h.ids) for h in handles]
         longest = max(before)
@@ -196,8 +231,9 @@ class HFPolicy:
         past = pad_past([h.kv.layers if c else None for h, (c, _) in zip(handles, starts)],
                         room=width + 64) if reuse else None
         for i, (c, _) in enumerate(starts):
-            self.cache_stats["reused" if c else "prefilled"] += 1
-            self.cache_stats["tokens_reused"] += c
+            shared = c and handles[i].kv.shared
+            self.cache_stats["shared" if shared else "reused" if c else "prefilled"] += 1
+            self.cache_stats["tokens_shared" if shared else "tokens_reused"] += c
             self.cache_stats["tokens_prefilled"] += before[i] - c
 
         results: list[Generation | None] = [None] * len(handles)
@@ -237,6 +273,42 @@ class HFPolicy:
         """Changes whenever a parameter is updated in place (an optimizer step) or replaced: states
         computed under other weights are never reused."""
         return tuple((p.data_ptr(), p._version) for p in self.model.parameters())
+
+    def _share_heads(self, handles: list[TokenContext], weights: tuple) -> None:
+        """Give every episode without states of its own those of the kept prompt head it shares
+        most tokens with (at least ``MIN_SHARED``), as far as they agree and before its first
+        image; a head shared with none is computed now (one single-row prefill: no more tokens
+        than its row's own prefill would have run) and kept for the episodes after it."""
+        if any(c.weights != weights for c in self._heads.values()):
+            self._heads.clear()  # computed under weights an optimizer step has since changed
+        for h in handles:
+            if h.kv is not None:
+                continue
+            ids = h.ids
+            end = len(ids) - 1  # at least one token must still go through the model
+            if self._vision_start is not None and self._vision_start in ids:
+                end = min(end, ids.index(self._vision_start))
+            if end < MIN_SHARED:
+                continue
+            head = list(ids[:end])
+            best, n = None, 0
+            for key, c in self._heads.items():
+                k = _common(c.ids, head)
+                if k > n:
+                    best, n = key, k
+            if n < MIN_SHARED:
+                from pipelines.agent.policies.decode import text_states
+
+                best, n = tuple(head), end
+                self._heads[best] = _Cached(head, text_states(self.model, head), weights, 0, end,
+                                            shared=True)
+                while len(self._heads) > MAX_SHARED:
+                    self._heads.popitem(last=False)
+                self.cache_stats["heads_computed"] += 1
+            self._heads.move_to_end(best)
+            c = self._heads[best]
+            h.kv = _Cached(c.ids[:n], [(k[:, :n], v[:, :n]) for k, v in c.layers], weights, 0, n,
+                           shared=True)
 
     def _cached_prefix(self, h: TokenContext, weights: tuple) -> tuple[int, int]:
         """How many of ``h``'s tokens, and of its images, its kept states cover; (0, 0) (and the

@@ -290,3 +290,113 @@ def test_closing_the_holes_right_aligns_each_row_s_states_in_order():
     assert layer.keys[0, 0, :3, 0].tolist() == [1.0, 2.0, 4.0]
     assert layer.keys[1, 0, 1:3, 0].tolist() == [23.0, 24.0]
     assert layer.values[0, 0, :3, 0].tolist() == [-1.0, -2.0, -4.0]
+
+
+# -- prompt heads shared between episodes -------------------------------------------------------
+
+# A family's instructions, the same for every task: the shared head of its prompts.
+INSTRUCTIONS = ("Sample the frames you need with Python, show them with plt.show() and print "
+                "values with print(); the results come back inside <interpreter>. Write code as "
+                "<code> ... </code> and finish with <answer> \\boxed{your answer} </answer>.")
+
+
+def _begin_text(policy, i: int, image: bool = False):
+    """A prompt whose instructions come before the task's own words (and its image, if any),
+    as the video family's do: every such prompt starts with the same long head."""
+    content = [{"type": "text", "text": f"{INSTRUCTIONS}\n{QUESTIONS[i % 3]} ({i})"}]
+    if image:
+        content.append({"type": "image", "image": Image.new("RGB", (140, 84), (40 * i, 90, 30))})
+    return policy.begin([{"role": "user", "content": content}])
+
+
+def _greedy_rows(policy, share: bool, image: bool, max_new: int = 12):
+    """Three episodes' first turns together, then two more joining the second turn (the head is
+    kept by then); returns their contexts, the next-token log-probs of every step, the stats."""
+    policy.share_prefixes = share
+    policy._heads.clear()
+    policy.cache_stats.clear()
+    steps: list[torch.Tensor] = []
+
+    def record(context, scores):
+        steps.append(torch.log_softmax(scores, dim=-1))
+        return scores
+
+    policy.logits_processors = [record]
+    try:
+        first = [_begin_text(policy, i, image) for i in range(3)]
+        policy.generate(first, Sampling(max_new, 0.0, 1.0))
+        for i, h in enumerate(first):
+            _observe(policy, h, 0, i)
+        later = [_begin_text(policy, i, image) for i in range(3, 5)]
+        policy.generate(first + later, Sampling(max_new, 0.0, 1.0))
+        stats = dict(policy.cache_stats)
+        contexts = [list(h.ids) for h in first + later]
+        for h in first + later:
+            policy.end(h)
+    finally:
+        policy.logits_processors = []
+        policy.share_prefixes = True
+    return contexts, steps, stats
+
+
+@pytest.mark.parametrize("image", [False, True], ids=["text", "image-after-text"])
+def test_episodes_share_their_prompts_head_with_the_same_next_token_distributions(policy, image):
+    from pipelines.agent.policies.hf import MIN_SHARED
+
+    plain_ctx, plain_steps, plain = _greedy_rows(policy, False, image)
+    ctx, steps, stats = _greedy_rows(policy, True, image)
+    assert plain.get("shared", 0) == 0 and plain.get("heads_computed", 0) == 0
+    # One head, computed with the first row, continued by all five new episodes.
+    assert stats["heads_computed"] == 1 and stats["shared"] == 5
+    assert stats["tokens_shared"] >= 5 * MIN_SHARED
+    assert stats["tokens_prefilled"] + stats["tokens_shared"] == plain["tokens_prefilled"]
+    assert stats["reused"] == plain["reused"] == 3  # the second turns continue their own states
+    assert ctx == plain_ctx  # greedy: token for token
+    assert len(steps) == len(plain_steps) > 0
+    for a, b in zip(plain_steps, steps):
+        finite = a.isfinite()
+        assert torch.equal(finite, b.isfinite())
+        assert float((a[finite] - b[finite]).abs().max()) <= VOCAB_ATOL
+
+
+def test_a_head_stops_before_the_first_image_and_a_short_one_is_not_shared(policy):
+    """Tasks' images differ, so nothing after the first one is shared; prompts that open with
+    their image (a chat template's few tokens before it) share nothing."""
+    h = _begin_text(policy, 0, image=True)
+    policy._heads.clear()
+    policy.cache_stats.clear()
+    policy.generate([h], Sampling(4, 0.0, 1.0))
+    (head,) = policy._heads
+    start = policy.model.config.vision_start_token_id
+    assert len(head) == h.ids.index(start) and policy.image_token_id not in head
+    policy.end(h)
+    policy._heads.clear()
+    policy.cache_stats.clear()
+    short = [_begin(policy, i) for i in range(2)]  # the image first
+    policy.generate(short, Sampling(4, 0.0, 1.0))
+    assert not policy._heads and policy.cache_stats.get("shared", 0) == 0
+    for s in short:
+        policy.end(s)
+
+
+def test_heads_are_dropped_when_the_weights_change_and_bounded_in_number(policy):
+    from pipelines.agent.policies.hf import MAX_SHARED
+
+    policy._heads.clear()
+    policy.cache_stats.clear()
+    h = _begin_text(policy, 0)
+    policy.generate([h], Sampling(4, 0.0, 1.0))
+    policy.end(h)
+    with torch.no_grad():
+        next(policy.model.parameters()).add_(0.0)  # an optimizer step's in-place update
+    h = _begin_text(policy, 1)
+    policy.generate([h], Sampling(4, 0.0, 1.0))
+    policy.end(h)
+    assert policy.cache_stats["heads_computed"] == 2 and len(policy._heads) == 1
+    # Prompts that share nothing each keep a head; only the most recent MAX_SHARED stay.
+    for k in range(MAX_SHARED + 2):
+        h = policy.begin([{"role": "user", "content": [
+            {"type": "text", "text": f"{k} " * 3 + INSTRUCTIONS}]}])
+        policy.generate([h], Sampling(2, 0.0, 1.0))
+        policy.end(h)
+    assert len(policy._heads) == MAX_SHARED

@@ -56,6 +56,9 @@ def test_perf_eval_json_shape(tiny_model_dir: Path) -> None:
                for f in families) > 0.1
     assert families["image"]["model"]["mean_visual_tokens"] > 0
     assert families["video"]["model"]["mean_visual_tokens"] == 0  # on-demand video context
+    # A video prompt is text until its question: its instructions went through the model once,
+    # as a prompt head that its first turn continued.
+    assert families["video"]["model"]["work"]["tokens_shared"] > 100
 
 
 def test_perf_eval_draft_tokens_zero_drafts_nothing_and_dtype_loads(tiny_model_dir: Path) -> None:
