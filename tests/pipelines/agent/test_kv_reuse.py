@@ -65,6 +65,19 @@ def _observe(policy, handle, turn: int, i: int) -> None:
     policy.observe(handle, parts, images)
 
 
+def _record_steps(policy) -> list[torch.Tensor]:
+    """Record the full next-token log-probs of every decode step (until the caller empties
+    ``policy.logits_processors``) into the list returned."""
+    steps: list[torch.Tensor] = []
+
+    def record(context, scores):
+        steps.append(torch.log_softmax(scores, dim=-1))
+        return scores
+
+    policy.logits_processors = [record]
+    return steps
+
+
 def _session(policy, reuse: bool, stops: set[int], turns: int = 3, max_new: int = 16):
     """Greedy multi-turn episodes, batched as the agent loop batches them: three episodes, a
     fourth joining at the second turn (a row without a cache beside rows with one), the first
@@ -76,14 +89,8 @@ def _session(policy, reuse: bool, stops: set[int], turns: int = 3, max_new: int 
     policy.cache_stats.clear()
     policy.eos_ids.update(stops)
     lengths: list[int] = []
-    steps: list[torch.Tensor] = []
-
-    def record(context, scores):
-        steps.append(torch.log_softmax(scores, dim=-1))
-        return scores
-
-    policy.logits_processors = [record]
     try:
+        steps = _record_steps(policy)
         handles = [_begin(policy, i) for i in range(3)]
         active = list(handles)
         for turn in range(turns):
@@ -315,14 +322,8 @@ def _greedy_rows(policy, share: bool, image: bool, max_new: int = 12):
     policy.share_prefixes = share
     policy._heads.clear()
     policy.cache_stats.clear()
-    steps: list[torch.Tensor] = []
-
-    def record(context, scores):
-        steps.append(torch.log_softmax(scores, dim=-1))
-        return scores
-
-    policy.logits_processors = [record]
     try:
+        steps = _record_steps(policy)
         first = [_begin_text(policy, i, image) for i in range(3)]
         policy.generate(first, Sampling(max_new, 0.0, 1.0))
         for i, h in enumerate(first):
