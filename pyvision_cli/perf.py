@@ -69,6 +69,7 @@ def perf_eval(
     dtype: Annotated[Literal["float32", "bfloat16"], typer.Option(help="The model's precision (model.dtype). bfloat16 is only faster on CPUs that compute it natively (AVX512-BF16, AMX); it changes some greedy trajectories.")] = "float32",
     threads: Annotated[int | None, typer.Option(help="torch CPU threads while the model generates (agent.cpu_threads, default 1; 0: torch's default, one per core).", min=0, max=1024)] = None,
     device: Annotated[Literal["auto", "cpu", "cuda"], typer.Option(help="Where the model runs (model.device; auto: cuda when torch sees a GPU). The sandboxes run on the CPU either way.")] = "auto",
+    share_prefixes: Annotated[bool | None, typer.Option("--share-prefixes/--no-share-prefixes", help="Run a prompt head that episodes share through the model once (agent.share_prefixes, default on).", show_default=False)] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Evaluation samples/s (agent loop + sandbox + scoring + store) per family, image and video.
@@ -84,7 +85,7 @@ def perf_eval(
     with err.status("measuring evaluation ..."):
         result = run_benchmark(n_image, n_video, size, max_new_tokens, max_turns, batch_size,
                                model_dir=model, draft_tokens=draft_tokens, dtype=dtype,
-                               threads=threads, device=device)
+                               threads=threads, device=device, share_prefixes=share_prefixes)
     if json_out:
         print_json(result)
     else:

@@ -51,6 +51,14 @@ class AgentConfig(Section):
     the ones greedy decoding picks, so answers change only where float rounding flips a
     near-tie. 0: one token a pass. Sampled turns (rollouts) are unaffected."""
 
+    share_prefixes: bool = True
+    """The in-process engine (`eval.engine: hf`, the local RL engine's rollouts) runs a prompt
+    head that episodes share (at least 64 tokens of text before the first image: a family's
+    instructions) through the model once and continues its states in every episode that starts
+    with it, as vLLM's prefix cache does. The logits differ by float rounding only; on the
+    demo's held-out video tasks it prefills a third of the tokens. False: every episode prefills
+    its whole prompt."""
+
     cpu_threads: int = Field(1, ge=0, le=1024)
     """torch CPU threads while an in-process policy (`eval.engine: hf`, the local RL engine's
     rollouts) generates on the CPU; 0: leave torch's setting (one per core). The model's code

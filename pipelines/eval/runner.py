@@ -138,7 +138,7 @@ _ROLLOUT_ONLY = {"agent.max_turns_train", "agent.temperature", "agent.top_p",
                  "sandbox.isolation"}
 # Keys that change how fast samples are made, and at most their float rounding as
 # `eval.batch_size` does, not what is evaluated: a run may be resumed with another value.
-_SPEED_ONLY = {"agent.draft_tokens", "agent.cpu_threads"}
+_SPEED_ONLY = {"agent.draft_tokens", "agent.cpu_threads", "agent.share_prefixes"}
 
 
 def eval_settings(config: Mapping[str, Any]) -> dict[str, Any]:

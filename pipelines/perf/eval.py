@@ -92,14 +92,16 @@ def run_benchmark(n_image: int = 8, n_video: int = 4, size: str = "nano",
                   max_new_tokens: int = 64, max_turns: int = 4, batch_size: int = 8,
                   model_dir: str | Path | None = None, draft_tokens: int | None = None,
                   dtype: str = "float32", workdir: str | Path | None = None,
-                  threads: int | None = None, device: str = "cpu") -> dict[str, Any]:
+                  threads: int | None = None, device: str = "cpu",
+                  share_prefixes: bool | None = None) -> dict[str, Any]:
     """Measure evaluation throughput on this machine; returns the JSON the CLI prints.
 
     ``model_dir`` measures that model (e.g. the demo's trained one) instead of a fresh tiny one;
     ``draft_tokens`` overrides ``agent.draft_tokens`` (0: one token a forward pass); ``dtype``
     is the model's precision (``model.dtype``); ``threads`` overrides ``agent.cpu_threads`` (0:
     torch's default, one per core); ``device`` is where the model runs (``model.device``: cpu,
-    cuda, or auto); the sandboxes, the loop and the store stay on the CPU either way.
+    cuda, or auto); the sandboxes, the loop and the store stay on the CPU either way;
+    ``share_prefixes`` overrides ``agent.share_prefixes``.
     """
     import torch
 
@@ -136,14 +138,17 @@ def run_benchmark(n_image: int = 8, n_video: int = 4, size: str = "nano",
             f"agent.max_new_tokens_per_turn={max_new_tokens}", f"agent.max_turns_eval={max_turns}",
             f"eval.batch_size={batch_size}", f"model.device={device}", f"model.dtype={dtype}",
             *([f"agent.draft_tokens={draft_tokens}"] if draft_tokens is not None else []),
-            *([f"agent.cpu_threads={threads}"] if threads is not None else [])])
+            *([f"agent.cpu_threads={threads}"] if threads is not None else []),
+            *([f"agent.share_prefixes={str(share_prefixes).lower()}"]
+              if share_prefixes is not None else [])])
         store = Store(root / "perf.duckdb")
         t = time.monotonic()
         model = HFPolicy.from_pretrained(str(model_path), device=device, dtype=recipe.model.dtype,
                                          image_min_pixels=recipe.agent.image_min_pixels,
                                          image_max_pixels=recipe.agent.image_max_pixels,
                                          draft_tokens=recipe.agent.draft_tokens,
-                                         threads=recipe.agent.cpu_threads)
+                                         threads=recipe.agent.cpu_threads,
+                                         share_prefixes=recipe.agent.share_prefixes)
         load_s = time.monotonic() - t
         # The sandbox zygote starts once per process (about 0.7 s of CPU): started here, like
         # the model's loading, so that the first row timed does not pay for it.
@@ -181,6 +186,7 @@ def run_benchmark(n_image: int = 8, n_video: int = 4, size: str = "nano",
                   "build_s": round(build_s, 3), "load_s": round(load_s, 3)},
         "settings": {"max_new_tokens_per_turn": max_new_tokens, "max_turns": max_turns,
                      "batch_size": batch_size, "draft_tokens": recipe.agent.draft_tokens,
+                     "share_prefixes": recipe.agent.share_prefixes,
                      # what generation ran with (agent.cpu_threads, else torch's own)
                      "torch_threads": recipe.agent.cpu_threads or torch.get_num_threads(),
                      "cpus": cpus},

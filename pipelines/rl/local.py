@@ -258,7 +258,8 @@ class LocalEngine:
         agent = self.recipe.agent
         return HFPolicy(self.model, self.processor, image_min_pixels=agent.image_min_pixels,
                         image_max_pixels=agent.image_max_pixels, image_factor=agent.image_factor,
-                        draft_tokens=agent.draft_tokens, threads=agent.cpu_threads)
+                        draft_tokens=agent.draft_tokens, threads=agent.cpu_threads,
+                        share_prefixes=agent.share_prefixes)
 
     # -- rollouts ------------------------------------------------------------------------------
 

@@ -151,6 +151,7 @@ def test_eval_rerun_with_other_settings_is_refused_not_mixed(tmp_path: Path):
     _eval(data, "agent.max_turns_eval=2", "agent.temperature=0.3")
     _eval(data, "agent.max_turns_eval=2", "agent.draft_tokens=0")
     _eval(data, "agent.max_turns_eval=2", "agent.cpu_threads=2")
+    _eval(data, "agent.max_turns_eval=2", "agent.share_prefixes=false")
     # --force: the run's samples are forgotten and made again with the new settings.
     again = _eval(data, "agent.max_turns_eval=3", force=True, answer="blue")
     assert again["synth-image"]["accuracy"] == 0.0

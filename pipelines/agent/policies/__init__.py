@@ -38,4 +38,5 @@ def make_policy(model: str, *, engine: str = "auto", served_model: str | None = 
                                     image_min_pixels=cfg.image_min_pixels,
                                     image_max_pixels=cfg.image_max_pixels,
                                     image_factor=cfg.image_factor,
-                                    draft_tokens=cfg.draft_tokens, threads=cfg.cpu_threads)
+                                    draft_tokens=cfg.draft_tokens, threads=cfg.cpu_threads,
+                                    share_prefixes=cfg.share_prefixes)

@@ -122,7 +122,7 @@ class HFPolicy:
     def from_pretrained(cls, path: str, *, device: str = "auto", dtype: str = "auto",
                         image_min_pixels: int = 3136, image_max_pixels: int = 2_000_000,
                         image_factor: int = 28, draft_tokens: int = 0,
-                        threads: int = 0) -> HFPolicy:
+                        threads: int = 0, share_prefixes: bool = True) -> HFPolicy:
         from pipelines.core.device import resolve_device, torch_dtype
         from pipelines.core.modeldir import load_vlm
         from pipelines.inputs import check_model
@@ -135,7 +135,7 @@ class HFPolicy:
         model.to(device).eval()
         return cls(model, processor, image_min_pixels=image_min_pixels,
                    image_max_pixels=image_max_pixels, image_factor=image_factor,
-                   draft_tokens=draft_tokens, threads=threads)
+                   draft_tokens=draft_tokens, threads=threads, share_prefixes=share_prefixes)
 
     # -- episode state (ChatTokens) --------------------------------------------------------------
 

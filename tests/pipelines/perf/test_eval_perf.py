@@ -61,11 +61,12 @@ def test_perf_eval_json_shape(tiny_model_dir: Path) -> None:
     assert families["video"]["model"]["work"]["tokens_shared"] > 100
 
 
-def test_perf_eval_draft_tokens_zero_drafts_nothing_and_dtype_loads(tiny_model_dir: Path) -> None:
+def test_perf_eval_turns_off_drafts_and_shared_heads_and_loads_a_dtype(tiny_model_dir: Path) -> None:
     result = CliRunner().invoke(app, ["eval", "--json", "--model", str(tiny_model_dir),
-                                      "--n-image", "2", "--n-video", "0", "--max-new-tokens", "8",
+                                      "--n-image", "2", "--n-video", "1", "--max-new-tokens", "8",
                                       "--max-turns", "2", "--draft-tokens", "0",
-                                      "--dtype", "bfloat16", "--threads", "2"])
+                                      "--dtype", "bfloat16", "--threads", "2",
+                                      "--no-share-prefixes"])
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert data["settings"]["draft_tokens"] == 0
@@ -73,6 +74,9 @@ def test_perf_eval_draft_tokens_zero_drafts_nothing_and_dtype_loads(tiny_model_d
     assert data["model"]["dtype"] == "bfloat16"  # the model measured is the one asked for
     work = data["families"]["image"]["model"]["work"]
     assert work["draft_tokens"] == work["draft_kept"] == 0 and work["decode_steps"] > 0
+    # --no-share-prefixes: the video prompt's instructions go through the model with it.
+    assert data["settings"]["share_prefixes"] is False
+    assert data["families"]["video"]["model"]["work"]["tokens_shared"] == 0
 
 
 def test_perf_eval_text_names_the_cpu_bound(tiny_model_dir: Path) -> None:

@@ -440,6 +440,20 @@ def test_the_optimizer_is_the_configured_class_with_its_arguments(tiny_model_dir
     assert (default.defaults["betas"], default.defaults["eps"]) == ((0.9, 0.999), 1e-8)
 
 
+def test_the_rollout_policy_takes_the_agent_s_speed_settings(tiny_model_dir, rl_tasks):
+    from pipelines.rl.local import LocalEngine, load_policy_model, load_rl_tasks
+    from pipelines.rl.sampler import TaskSampler
+
+    items = load_rl_tasks([rl_tasks])
+    for sets, want in (([], (8, 1, True)),
+                       (["agent.draft_tokens=0", "agent.cpu_threads=2",
+                         "agent.share_prefixes=false"], (0, 2, False))):
+        recipe = load_recipe(None, ENGINE + sets)
+        model, processor = load_policy_model(recipe, str(tiny_model_dir))
+        policy = LocalEngine(recipe, model, processor, items, TaskSampler(len(items), 0)).policy
+        assert (policy.draft_tokens, policy.threads, policy.share_prefixes) == want
+
+
 @pytest.mark.parametrize("sets,words", [
     (["rl.optimizer.name=NoSuchOptimizer"], "torch.optim.NoSuchOptimizer"),
     (["rl.optimizer.name=SGD", "rl.optimizer.args={betas: 0.9}"], "betas"),
