@@ -37,8 +37,12 @@ CHOSEN_ATOL = 1e-4
 @pytest.fixture(scope="module", params=list(ARCHS))
 def policy(request) -> HFPolicy:
     fixture, factor = ARCHS[request.param]
-    pol = HFPolicy.from_pretrained(str(request.getfixturevalue(fixture)), device="cpu",
-                                   dtype="float32", image_max_pixels=12544, image_factor=factor)
+    return _sharpened(HFPolicy.from_pretrained(
+        str(request.getfixturevalue(fixture)), device="cpu", dtype="float32",
+        image_max_pixels=12544, image_factor=factor))
+
+
+def _sharpened(pol: HFPolicy) -> HFPolicy:
     with torch.no_grad():  # sharper than the random init, so rows stop at different lengths
         for p in pol.model.parameters():
             p.mul_(6.0)
@@ -401,3 +405,20 @@ def test_heads_are_dropped_when_the_weights_change_and_bounded_in_number(policy)
         policy.generate([h], Sampling(2, 0.0, 1.0))
         policy.end(h)
     assert len(policy._heads) == MAX_SHARED
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_shared_heads_on_cuda_keep_greedy_s_tokens(tiny_model_dir):
+    """The same promise on a GPU, whose kernels pick algorithms by shape (a head is prefilled
+    as one row, then continued in a batch): greedy tokens unchanged, float32 without TF32."""
+    assert not torch.backends.cuda.matmul.allow_tf32
+    pol = _sharpened(HFPolicy.from_pretrained(str(tiny_model_dir), device="cuda",
+                                              dtype="float32", image_max_pixels=12544))
+    plain_ctx, plain_steps, _ = _greedy_rows(pol, False, image=True)
+    ctx, steps, stats = _greedy_rows(pol, True, image=True)
+    assert stats["heads_computed"] == 1 and stats["shared"] == 5
+    assert ctx == plain_ctx
+    for a, b in zip(plain_steps, steps):
+        finite = a.isfinite()
+        assert float((a[finite] - b[finite]).abs().max()) <= VOCAB_ATOL
