@@ -481,7 +481,7 @@ def test_the_kl_term_pulls_a_moved_policy_back_to_the_reference(tiny_model_dir, 
     its reference (noise on its weights), updates must bring the KL on a fixed set of rollouts
     down, and without the term nothing may move. (Near the reference, Adam's sign-like steps
     make the term a noise source instead: the demo's SFT model at KL 8e-5 went to 2e-3 after one
-    update at the recipe's rate; docs/tiny-recipe.md.)"""
+    update at 3e-5, the recipe's rate until 368c900; docs/tiny-recipe.md.)"""
     import copy
 
     from pipelines.rl.algos import kl_loss
