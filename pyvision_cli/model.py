@@ -70,7 +70,8 @@ def pretrain(
     force: ForceOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
-    """Pretrain the tiny Qwen2.5-VL from random weights on the generated curriculum.
+    """Pretrain the tiny Qwen2.5-VL on the generated curriculum, from random weights or, with
+    `--set model.pretrain.init=FOLDER`, from a model folder (continued pretraining).
 
     Size and seed come from `model.tiny`, the schedule from `model.pretrain` (`--set
     model.pretrain.steps=500`). Checkpoints and the resolved config live in
@@ -99,6 +100,18 @@ def pretrain(
             raise UserError(f"output folder {out} is not empty and holds no pretrained model (no "
                             f"{MANIFEST}): the finished model would replace what is there",
                             hint="pass a new or empty folder, or --force to replace it")
+    init = recipe.model.pretrain.init
+    if init is not None:
+        from pipelines.errors import UserError
+        from pipelines.inputs import check_model
+
+        if not Path(init).expanduser().is_dir():
+            raise UserError(f"model.pretrain.init {init} is not a model folder",
+                            hint="pass a local model folder, e.g. pipelines/models/weights/tiny-small")
+        check_model(init, "model.pretrain.init")
+        if out is not None and out.resolve() == Path(init).expanduser().resolve():
+            raise UserError(f"model.pretrain.init and --out are the same folder ({out})",
+                            hint="write the continued model elsewhere, then move it")
     st = Store(store)
     sd = stage_dir(recipe, "pretrain", run_id or f"pretrain-{tiny.size}-s{tiny.seed}",
                    runs_dir=None, store=st, recipe_path=str(config) if config else None)
@@ -132,13 +145,17 @@ def probe(
     seed: Annotated[int, typer.Option(help="Seed of the held-out items.", min=0)] = 1,
     json_out: JsonOpt = False,
 ) -> None:
-    """What a base can do before SFT: copy, colour copy into code, read-back, image-text match."""
+    """What a base can do before SFT: copy, colour copy into code, read-back, image-text match,
+    an option looked up behind the video prompt, an options table copied into code."""
     from pipelines.models.probe import probe_path
 
     with err.status(f"probing {escape(str(model))} ..."):
         result = probe_path(model, n=n, seed=seed)
     for skill, score in result["scores"].items():
-        need = result["thresholds"][skill]
+        need = result["thresholds"].get(skill)
+        if need is None:
+            err.print(f"{skill:12s} {score:.2f}  (no threshold)")
+            continue
         mark = "[green]ok[/]" if score >= need else "[red]below[/]"
         err.print(f"{skill:12s} {score:.2f}  (threshold {need:.2f}) {mark}")
     if json_out:

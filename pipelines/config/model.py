@@ -41,10 +41,20 @@ class PretrainConfig(Section):
     max_tokens: int = Field(160, ge=32, le=65536)
     """Text-only examples are cut to this many tokens."""
 
-    mixture: dict[Literal["copy", "lookup", "readback", "colour_code", "python", "image_text"],
-                  float] = {"copy": 0.2, "lookup": 0.15, "readback": 0.15, "colour_code": 0.15,
-                            "python": 0.1, "image_text": 0.25}
+    mixture: dict[Literal["copy", "lookup", "readback", "colour_code", "python", "image_text",
+                          "table_code"], float] = {
+        "copy": 0.2, "lookup": 0.15, "readback": 0.15, "colour_code": 0.15, "python": 0.1,
+        "image_text": 0.25}
     """Share of each curriculum family in the stream (`pipelines/models/curriculum.py`)."""
+
+    context_share: float = Field(0.0, ge=0.0, le=1.0)
+    """Share of the copy, lookup, colour_code and table_code text examples that start after a
+    context (instruction lines, spans, Python), so a look-up works a few hundred tokens into a
+    prompt, not only at its start. 0 keeps every example the shipped base was pretrained on."""
+
+    init: str | None = None
+    """A model folder to continue pretraining (its weights and tokenizer) instead of random
+    weights: continued pretraining. The manifest records its files' sha256 and its own manifest."""
 
     log_every: int = Field(25, ge=1, le=1_000_000)
     """Steps between metric rows in the store."""

@@ -18,6 +18,14 @@ plus an optional image. Families:
 - ``python``: the built-in corpus of agent-like prompts, code and outputs (trained everywhere).
 - ``image_text``: a small picture of coloured shapes and a caption or a short answer about it
   (colour, shape, count, position), so the vision tower and the projector start aligned.
+- ``table_code``: an options question, then code whose options table names every option in the
+  solvers' form (``"A": (" red", (r, g, b))``, random RGB values). Not in the default mixture.
+
+With ``context_share`` > 0, that share of the text examples of ``CONTEXT_FAMILIES`` start after a
+context (instruction lines, spans of words, Python), as a real prompt puts its options a few
+hundred tokens after its start. The shipped base, pretrained without it, looks an option up when
+the options open the prompt and not behind the video prompt's instructions (`pyvision model
+probe`'s ``lookup_far``, 0.0).
 
 Every example is a deterministic function of ``(seed, family, index)``; the mixture picks the
 family of example ``i`` from the same hash, so a run is the same whatever the batch size.
@@ -31,7 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipelines.models.corpus import COLOURS, SHAPES, WORDS, builtin_corpus
+from pipelines.models.corpus import COLOURS, PROMPT_LINES, SHAPES, WORDS, builtin_corpus
 
 # Pieces of a chat, rendered exactly as the Qwen2-VL chat template renders them.
 SYSTEM = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
@@ -40,7 +48,11 @@ ASSISTANT = "<|im_start|>assistant\n"
 END = "<|im_end|>"
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 
-FAMILIES = ("copy", "lookup", "readback", "colour_code", "python", "image_text")
+# The families of the shipped base's stream; its tokenizer was trained on their text, so a new family
+# joins FAMILIES only (a new tokenizer corpus would change every merge).
+BASE_FAMILIES = ("copy", "lookup", "readback", "colour_code", "python", "image_text")
+FAMILIES = (*BASE_FAMILIES, "table_code")
+CONTEXT_FAMILIES = ("copy", "lookup", "colour_code", "table_code")
 DEFAULT_MIXTURE = {"copy": 0.2, "lookup": 0.15, "readback": 0.15, "colour_code": 0.15,
                    "python": 0.1, "image_text": 0.25}
 
@@ -151,6 +163,32 @@ def word_copy(rng: random.Random) -> Example:
     return chat([(ask + span, False)], span, family="copy")
 
 
+def context(rng: random.Random, seed: int) -> str:
+    """What a real prompt puts before the part a reply needs: instruction lines, spans of words,
+    Python; 1-8 parts, up to a few hundred tokens."""
+    parts = []
+    for _ in range(rng.randint(1, 8)):
+        kind = rng.random()
+        if kind < 0.4:
+            parts.append(rng.choice(PROMPT_LINES).format(
+                w=rng.randint(64, 2048), h=rng.randint(64, 2048), n=rng.randint(8, 64), fps=8))
+        elif kind < 0.7:
+            parts.append(_span(rng, 4, 30))
+        else:
+            parts.append(rng.choice(_python_docs(seed))[:rng.randint(40, 300)])
+    return "\n".join(parts) + "\n"
+
+
+def behind_context(ex: Example, rng: random.Random, seed: int) -> Example:
+    """``ex`` with a context before its text: after the chat's opening, else first."""
+    head, trained = ex.pieces[0]
+    if isinstance(head, str) and not trained and head.endswith(USER):
+        pieces = ((head + context(rng, seed), False), *ex.pieces[1:])
+    else:
+        pieces = ((context(rng, seed), False), *ex.pieces)
+    return Example(ex.family, pieces, ex.image)
+
+
 def _value(rng: random.Random) -> str:
     kind = rng.random()
     if kind < 0.35:
@@ -235,13 +273,40 @@ def make_colour_code(rng: random.Random) -> Example:
     return chat([(f"Question: {q}", False)], answer, family="colour_code")
 
 
+TABLE_QUESTIONS = [
+    "Which object appears first in the video?", "Which object appears last in the video?",
+    "Which colour is the largest shape?", "Which object is in the image?",
+    "Which bar is the widest?", "Which colour covers the most pixels?",
+]
+
+
+def make_table_code(rng: random.Random) -> Example:
+    """An options question, then code that opens with the options table in the solvers' form:
+    every option's name copied, in order (random RGB values: the palette is the SFT data's)."""
+    options = rng.sample(COLOURS, rng.randint(2, 4))
+    letters = [chr(65 + i) for i in range(len(options))]
+    lines = "\n".join(f"({k}) {o}" for k, o in zip(letters, options))
+    q = (f"Question: {rng.choice(TABLE_QUESTIONS)}\n{lines}\n"
+         "Answer with the option's letter from the given choices directly.")
+    table = ", ".join(f'"{k}": (" {o}", {tuple(rng.randint(0, 255) for _ in range(3))})'
+                      for k, o in zip(letters, options))
+    think = rng.choice(["I check every option's colour.", "For each option I find its pixels.",
+                        "I mask each option's colour."])
+    answer = f"{think}\n<code>\n```python\noptions = {{{table}}}\n"
+    return chat([(q, False)], answer, family="table_code")
+
+
 _PYTHON_DOCS: dict[int, list[str]] = {}
 
 
-def make_python(rng: random.Random, seed: int) -> Example:
+def _python_docs(seed: int) -> list[str]:
     if seed not in _PYTHON_DOCS:
         _PYTHON_DOCS[seed] = list(builtin_corpus(seed + 7919, 2000))
-    doc = rng.choice(_PYTHON_DOCS[seed])
+    return _PYTHON_DOCS[seed]
+
+
+def make_python(rng: random.Random, seed: int) -> Example:
+    doc = rng.choice(_python_docs(seed))
     return Example("python", ((doc[:1200], True),))
 
 
@@ -302,7 +367,19 @@ def make_image_text(rng: random.Random) -> Example:
     return chat([(IMAGE, False), ("\n" + q, False)], a, image=img, family="image_text")
 
 
-def make_example(seed: int, family: str, index: int) -> Example:
+def make_example(seed: int, family: str, index: int, context_share: float = 0.0) -> Example:
+    """Example ``index`` of ``family``; with ``context_share``, that share of the text examples of
+    CONTEXT_FAMILIES start after a context (drawn from a stream of its own, so at 0 every example
+    is the one the shipped base was pretrained on)."""
+    ex = _make(seed, family, index)
+    if context_share and family in CONTEXT_FAMILIES and ex.image is None:
+        rng = example_rng(seed, "context", index)
+        if rng.random() < context_share:
+            ex = behind_context(ex, rng, seed)
+    return ex
+
+
+def _make(seed: int, family: str, index: int) -> Example:
     rng = example_rng(seed, family, index)
     if family == "copy":
         return make_copy(rng)
@@ -316,12 +393,14 @@ def make_example(seed: int, family: str, index: int) -> Example:
         return make_python(rng, seed)
     if family == "image_text":
         return make_image_text(rng)
+    if family == "table_code":
+        return make_table_code(rng)
     raise ValueError(f"unknown pretraining family '{family}'")
 
 
 def stream_example(seed: int, index: int, mixture: dict[str, float],
-                   induction: int = 0) -> Example:
+                   induction: int = 0, context_share: float = 0.0) -> Example:
     """Example ``index`` of the training stream; the first ``induction`` are random-token copies."""
     if index < induction:
         return random_token_copy(example_rng(seed, "induction", index))
-    return make_example(seed, family_of(seed, index, mixture), index)
+    return make_example(seed, family_of(seed, index, mixture), index, context_share)

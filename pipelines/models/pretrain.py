@@ -48,10 +48,10 @@ def lr_at(step: int, cfg: PretrainConfig) -> float:
 
 def tokenizer_corpus(seed: int, n_examples: int = 4000) -> list[str]:
     """Text of the curriculum and of solver-style trajectories, for the tokenizer's merges."""
-    from pipelines.models.curriculum import FAMILIES
+    from pipelines.models.curriculum import BASE_FAMILIES
 
-    texts = [make_example(seed, fam, i).text for i in range(n_examples // len(FAMILIES))
-             for fam in FAMILIES if fam != "image_text"]
+    texts = [make_example(seed, fam, i).text for i in range(n_examples // len(BASE_FAMILIES))
+             for fam in BASE_FAMILIES if fam != "image_text"]
     return texts + _solver_texts(seed)
 
 
@@ -105,6 +105,13 @@ def _save(model: Any, processor: Any, path: Path) -> None:
     processor.save_pretrained(path)
 
 
+def init_record(path: Path) -> dict[str, Any]:
+    """What continued pretraining started from: the folder, its files' sha256, its manifest."""
+    manifest = path / MANIFEST
+    return {"path": str(path), "sha256": file_digests(path),
+            "manifest": json.loads(manifest.read_text()) if manifest.is_file() else None}
+
+
 def file_digests(path: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(path.iterdir()) if p.is_file() and p.name != MANIFEST}
@@ -113,7 +120,8 @@ def file_digests(path: Path) -> dict[str, str]:
 def pretrain(cfg: PretrainConfig, *, size: str, seed: int, out: Path, work: Path,
              store: Any = None, run_id: str | None = None, resume: bool = False,
              probe_n: int = 100, show_progress: bool = True) -> dict[str, Any]:
-    """Pretrain a tiny model from random weights into ``out``; checkpoints live in ``work``."""
+    """Pretrain a tiny model into ``out`` from random weights, or from ``cfg.init`` (continued
+    pretraining); checkpoints live in ``work``."""
     import torch
 
     from pipelines.core.checkpoints import STATE_FILE, list_checkpoints, rng_state, set_rng_state
@@ -122,11 +130,12 @@ def pretrain(cfg: PretrainConfig, *, size: str, seed: int, out: Path, work: Path
         torch.set_num_threads(cfg.threads)
     ckpts = work / "checkpoints"
     latest = list_checkpoints(ckpts)[-1] if resume and list_checkpoints(ckpts) else None
-    if latest is not None:
+    if latest is not None or cfg.init:
         from transformers import AutoModelForImageTextToText, AutoProcessor
 
-        processor = AutoProcessor.from_pretrained(latest)
-        model = AutoModelForImageTextToText.from_pretrained(latest, dtype=torch.float32)
+        source = latest if latest is not None else Path(cfg.init)
+        processor = AutoProcessor.from_pretrained(source)
+        model = AutoModelForImageTextToText.from_pretrained(source, dtype=torch.float32)
     else:
         model, processor = build_random(size, seed)
     model.train()
@@ -155,7 +164,8 @@ def pretrain(cfg: PretrainConfig, *, size: str, seed: int, out: Path, work: Path
     try:
         for step in range(start_step, cfg.steps):
             batch = [encode(stream_example(seed, step * cfg.batch_size + i, mixture,
-                                           cfg.induction_steps * cfg.batch_size))
+                                           cfg.induction_steps * cfg.batch_size,
+                                           cfg.context_share))
                      for i in range(cfg.batch_size)]
             inputs = collate(batch, pad_id, model.config)
             for group in optimizer.param_groups:
@@ -204,6 +214,7 @@ def pretrain(cfg: PretrainConfig, *, size: str, seed: int, out: Path, work: Path
             "config": cfg.model_dump(mode="json"),
             "data": "generated on the fly: pipelines/models/curriculum.py, examples "
                     f"0..{cfg.steps * cfg.batch_size - 1} of seed {seed}",
+            "init": init_record(Path(cfg.init)) if cfg.init else None,
             "final_loss": last.get("loss"), "final_losses": {k: v for k, v in last.items()
                                                              if k.startswith("loss/")},
             "probe": scores, **describe_module(model),

@@ -7,6 +7,12 @@
   ``\\boxed{}`` (greedy).
 - ``image_text``: for a held-out picture, its true caption is more likely than three captions that
   each change one object's colour or shape (chance: 0.25).
+- ``lookup_far``: an options table after the video prompt's instructions (as the demo's prompts
+  put it, about 200 tokens in), then "What is option X?": the reply starts with that option.
+- ``table_copy``: the video prompt with an options question, then a reply opening a code block:
+  the code's options table (``"A": (" red", ...)``) names every option, in order. The two last
+  have no threshold: the shipped base, pretrained without contexts, scores 0.0 on both
+  (``model.pretrain.context_share``).
 
 Held-out means another seed of the same generators (:mod:`pipelines.models.curriculum`) than the
 one the model was pretrained on. A randomly initialised model scores about 0 on the first three.
@@ -35,7 +41,7 @@ from pipelines.models.curriculum import (
     word_copy,
 )
 
-SKILLS = ("copy", "colour_copy", "readback", "image_text")
+SKILLS = ("copy", "colour_copy", "readback", "image_text", "lookup_far", "table_copy")
 # What the shipped base must reach (tests/pipelines/models/test_pretrain.py checks it). A random
 # model scores about 0 on the first three and 0.25 (chance) on image_text; the shipped base scored
 # 0.96 / 1.00 / 1.00 / 0.49 on 100 items each.
@@ -101,6 +107,53 @@ def probe_colour_copy(model: Any, processor: Any, n: int, seed: int) -> float:
     return hits / n
 
 
+def _options(rng: Any, k: int = 3) -> tuple[list[str], str]:
+    options = rng.sample(COLOURS, k)
+    return options, "\n".join(f"({chr(65 + i)}) {o}" for i, o in enumerate(options))
+
+
+def _video_instructions() -> str:
+    """The demo's video prompt up to its media line (what stands before a question)."""
+    from pipelines.agent.prompts import load_template
+
+    template, _ = load_template("video")
+    return template.split("{media_info}")[0]
+
+
+def probe_lookup_far(model: Any, processor: Any, n: int, seed: int) -> float:
+    head = _video_instructions()
+    prompts, wanted = [], []
+    for i in range(n):
+        options, lines = _options(example_rng(seed, "probe-lookup-far", i))
+        k = i % len(options)
+        prompts.append(_ids(processor, f"{SYSTEM}{USER}{head}{lines}\nWhat is option "
+                                       f"{chr(65 + k)}?{END}\n{ASSISTANT}"))
+        wanted.append(options[k])
+    outs = _generate(model, processor, prompts, 6)
+    return sum(o.strip().startswith(w) for o, w in zip(outs, wanted)) / n
+
+
+TABLE_ENTRY = re.compile(r'"([A-D])": \(" ?([a-z]+)"')
+
+
+def probe_table_copy(model: Any, processor: Any, n: int, seed: int) -> float:
+    head = _video_instructions()
+    prompts, wanted = [], []
+    for i in range(n):
+        options, lines = _options(example_rng(seed, "probe-table", i))
+        question = (f"Question: Which object appears first in the video?\n{lines}\n"
+                    "Answer with the option's letter from the given choices directly.\n")
+        prompts.append(_ids(processor, f"{SYSTEM}{USER}{head}{question}{END}\n{ASSISTANT}"
+                                       "I check every option's colour.\n<code>\n```python\n"))
+        wanted.append(options)
+    outs = _generate(model, processor, prompts, 64)
+    hits = 0
+    for out, options in zip(outs, wanted):
+        table = dict(TABLE_ENTRY.findall(out))
+        hits += all(table.get(chr(65 + i)) == o for i, o in enumerate(options))
+    return hits / n
+
+
 def probe_readback(model: Any, processor: Any, n: int, seed: int) -> float:
     examples = [make_readback(example_rng(seed, "probe-readback", i)) for i in range(n)]
     outs = _generate(model, processor, [_prefix_ids(processor, e) for e in examples], 48)
@@ -157,7 +210,9 @@ def probe_model(model: Any, processor: Any, *, n: int = 100, seed: int = 1) -> d
     return {"copy": probe_copy(model, processor, n, seed),
             "colour_copy": probe_colour_copy(model, processor, n, seed),
             "readback": probe_readback(model, processor, n, seed),
-            "image_text": probe_image_text(model, processor, n, seed)}
+            "image_text": probe_image_text(model, processor, n, seed),
+            "lookup_far": probe_lookup_far(model, processor, n, seed),
+            "table_copy": probe_table_copy(model, processor, n, seed)}
 
 
 def probe_path(path: str | Path, *, n: int = 100, seed: int = 1) -> dict[str, Any]:

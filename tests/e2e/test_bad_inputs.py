@@ -586,6 +586,21 @@ def test_pretrain_out_is_checked_before_anything_is_written(out: str, names: tup
     assert_clean(result, before, after, names)
 
 
+@pytest.mark.parametrize("init,names", [
+    ("{i}/no-such-model", ("model.pretrain.init", "no-such-model", "is not a model folder")),
+    ("{i}/tasks", ("model.pretrain.init", "has no config.json"))])
+def test_a_continued_pretraining_start_is_checked_before_anything_is_written(
+        init: str, names: tuple[str, ...], tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    import pipelines.models.pretrain
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("pretraining started")
+
+    monkeypatch.setattr(pipelines.models.pretrain, "pretrain", no_training)
+    result, before, after = run_case(tmp_path, f"model pretrain --set model.pretrain.init={init}")
+    assert_clean(result, before, after, names)
+
+
 @pytest.mark.parametrize("flag,name,data", [
     ("--video", "empty.mp4", b""), ("--video", "junk.mp4", b"\x00" * 512),
     ("--image", "junk.png", b"\x00" * 512)])

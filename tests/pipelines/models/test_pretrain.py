@@ -32,7 +32,44 @@ def test_examples_are_a_function_of_seed_family_and_index():
     assert [stream_example(0, i, mix, 8).family for i in range(40)] == \
         [stream_example(0, i, mix, 8).family for i in range(40)]
     assert all(stream_example(0, i, mix, 8).family == "copy" for i in range(8))
-    assert {stream_example(0, i, mix, 0).family for i in range(200)} == set(FAMILIES)
+    assert {stream_example(0, i, mix, 0).family for i in range(200)} == set(mix)
+    both = {**mix, "table_code": 0.2}
+    assert {stream_example(0, i, both, 0).family for i in range(200)} == set(FAMILIES)
+
+
+def _untrained_text(ex) -> str:
+    return "".join(t for t, trained in ex.pieces if not trained and isinstance(t, str))
+
+
+def test_a_context_comes_before_the_example_and_is_not_trained():
+    from pipelines.models.curriculum import CONTEXT_FAMILIES, USER
+
+    for fam in CONTEXT_FAMILIES:
+        for i in range(30):
+            plain, behind = make_example(5, fam, i), make_example(5, fam, i, context_share=1.0)
+            assert behind.target == plain.target  # the same reply, trained the same way
+            assert len(_untrained_text(behind)) > len(_untrained_text(plain))
+            # The context goes before the question: after the chat's opening, else first.
+            opening = plain.pieces[0][0]
+            chat_opening = isinstance(opening, str) and opening.endswith(USER)
+            if chat_opening:
+                assert behind.text.startswith(opening)
+            assert behind.text.endswith(plain.text[len(opening) if chat_opening else 0:])
+    # At 0 (the default) every example is the one the shipped base was pretrained on.
+    assert all(make_example(5, f, i, context_share=0.0) == make_example(5, f, i)
+               for f in CONTEXT_FAMILIES for i in range(10))
+
+
+def test_a_table_code_reply_names_every_option_in_order():
+    import re
+
+    from pipelines.models.probe import TABLE_ENTRY
+
+    for i in range(40):
+        ex = make_example(1, "table_code", i)
+        options = re.findall(r"\(([A-D])\) ([a-z]+)", ex.text.split("<|im_start|>assistant")[0])
+        assert 2 <= len(options) <= 4
+        assert TABLE_ENTRY.findall(ex.target) == options
 
 
 def test_encoder_trains_only_the_trained_pieces(tiny_model_dir):
@@ -84,6 +121,27 @@ def test_a_short_pretraining_repeats_byte_for_byte_and_resumes_exactly(tmp_path)
                     tmp_path / "c" / "checkpoints" / "step_3")
     c = _run(tmp_path, "c", resume=True)
     assert file_digests(c)["model.safetensors"] == file_digests(a)["model.safetensors"]
+
+
+@pytest.mark.slow
+def test_continued_pretraining_starts_from_the_init_model(tmp_path):
+    from safetensors.torch import load_file
+
+    start = _run(tmp_path, "start")
+    cfg = SHORT.model_copy(update={"init": str(start), "steps": 2, "induction_steps": 0,
+                                   "learning_rate": 1e-12, "context_share": 0.5,
+                                   "mixture": {"lookup": 0.5, "table_code": 0.5}})
+    out = tmp_path / "cont" / "model"
+    manifest = pretrain(cfg, size="nano", seed=7, out=out, work=tmp_path / "cont", probe_n=2,
+                        show_progress=False)
+    assert manifest["init"]["path"] == str(start)
+    assert manifest["init"]["sha256"] == file_digests(start)
+    assert manifest["init"]["manifest"]["config"]["steps"] == SHORT.steps
+    # A step of 1e-12 leaves the init's weights (a random init at seed 7 would not be near them).
+    before, after = load_file(start / "model.safetensors"), load_file(out / "model.safetensors")
+    assert before.keys() == after.keys()
+    assert max(float((before[k] - after[k]).abs().max()) for k in before) < 1e-6
+    assert (start / "tokenizer.json").read_bytes() == (out / "tokenizer.json").read_bytes()
 
 
 def test_the_shipped_base_meets_the_probe_thresholds():
@@ -138,3 +196,22 @@ def test_pretrain_json_is_the_stage_manifest_whether_it_trained_now_or_before(tm
     stage = json.loads(fresh.stdout)
     assert stage["outputs"]["model"] == str(tmp_path / "m") and stage["stage"] == "pretrain"
     assert set(stage["summary"]) >= {"final_loss", "probe/copy"}
+
+
+def test_probe_prints_every_skill_and_thresholds_only_those_that_have_one():
+    from typer.testing import CliRunner
+
+    from pipelines.models.probe import SKILLS, THRESHOLDS
+    from pyvision_cli.main import app
+
+    result = CliRunner().invoke(app, ["model", "probe", str(shipped_base("small")), "--n", "6",
+                                      "--json"])
+    assert result.exit_code == 0, result.output
+    scores = json.loads(result.stdout)["scores"]
+    assert list(scores) == list(SKILLS)
+    lines = result.stderr.splitlines()
+    for skill in SKILLS:
+        line = next(x for x in lines if x.startswith(skill + " "))
+        assert ("threshold" in line and "no threshold" not in line) == (skill in THRESHOLDS)
+    # The shipped base was pretrained without contexts: it looks nothing up behind the prompt.
+    assert scores["lookup_far"] == 0.0 and scores["table_copy"] == 0.0
