@@ -189,6 +189,11 @@ def behind_context(ex: Example, rng: random.Random, seed: int) -> Example:
     return Example(ex.family, pieces, ex.image)
 
 
+def option_lines(options: Sequence[str]) -> str:
+    """A multiple-choice question's options as the synthetic tasks print them: ``(A) red``."""
+    return "\n".join(f"({chr(65 + i)}) {o}" for i, o in enumerate(options))
+
+
 def _value(rng: random.Random) -> str:
     kind = rng.random()
     if kind < 0.35:
@@ -213,7 +218,7 @@ def make_lookup(rng: random.Random) -> Example:
     # An options table, asked both ways: the colour of a letter, or the letter of a colour.
     options = rng.sample(COLOURS, rng.randint(2, 5))
     letters = [chr(65 + i) for i in range(len(options))]
-    lines = "\n".join(f"({k}) {o}" for k, o in zip(letters, options))
+    lines = option_lines(options)
     q = rng.randrange(len(options))
     if rng.random() < 0.5:
         return chat([(f"{lines}\nWhich letter is {options[q]}?", False)], letters[q],
@@ -285,7 +290,7 @@ def make_table_code(rng: random.Random) -> Example:
     every option's name copied, in order (random RGB values: the palette is the SFT data's)."""
     options = rng.sample(COLOURS, rng.randint(2, 4))
     letters = [chr(65 + i) for i in range(len(options))]
-    lines = "\n".join(f"({k}) {o}" for k, o in zip(letters, options))
+    lines = option_lines(options)
     q = (f"Question: {rng.choice(TABLE_QUESTIONS)}\n{lines}\n"
          "Answer with the option's letter from the given choices directly.")
     table = ", ".join(f'"{k}": (" {o}", {tuple(rng.randint(0, 255) for _ in range(3))})'

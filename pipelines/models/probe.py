@@ -38,6 +38,7 @@ from pipelines.models.curriculum import (
     caption,
     example_rng,
     make_readback,
+    option_lines,
     word_copy,
 )
 
@@ -109,7 +110,7 @@ def probe_colour_copy(model: Any, processor: Any, n: int, seed: int) -> float:
 
 def _options(rng: Any, k: int = 3) -> tuple[list[str], str]:
     options = rng.sample(COLOURS, k)
-    return options, "\n".join(f"({chr(65 + i)}) {o}" for i, o in enumerate(options))
+    return options, option_lines(options)
 
 
 def _video_instructions() -> str:
