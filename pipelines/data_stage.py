@@ -72,8 +72,9 @@ def check_data_inputs(recipe: Recipe) -> None:
     """What the data stage can check before it writes, so that a typo is one line and no half
     stage blocks the corrected command: the base model it will hand to SFT when the recipe
     builds no tiny one (a local folder must exist and look loadable; a hub id is resolved by
-    SFT), the names in ``data.datasets``, the conversation and task folders it reads and the
-    teacher it distills from."""
+    SFT), the model a pretraining in the stage continues (``model.pretrain.init``), the names in
+    ``data.datasets``, the conversation and task folders it reads and the teacher it distills
+    from."""
     from pipelines.core.records import CONVERSATIONS_FILE, TASKS_FILE, rows_file
     from pipelines.data.hub import get_dataset
 
@@ -81,6 +82,10 @@ def check_data_inputs(recipe: Recipe) -> None:
         from pipelines.inputs import check_model
 
         check_model(recipe.model.base, "model.base")
+    elif recipe.model.tiny.init == "pretrain":
+        from pipelines.models.pretrain import check_init
+
+        check_init(recipe.model.pretrain)
     for name in recipe.data.datasets:
         get_dataset(name)
     for source in recipe.data.resolved_sft_sources():

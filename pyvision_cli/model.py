@@ -77,7 +77,7 @@ def pretrain(
     model.pretrain.steps=500`). Checkpoints and the resolved config live in
     runs/<run-id>/pretrain/; loss per curriculum family streams into the store.
     """
-    from pipelines.models.pretrain import MANIFEST
+    from pipelines.models.pretrain import MANIFEST, check_init
     from pipelines.models.pretrain import pretrain as run_pretrain
     from pipelines.rundir import stage_dir
     from pipelines.store import Store
@@ -100,18 +100,7 @@ def pretrain(
             raise UserError(f"output folder {out} is not empty and holds no pretrained model (no "
                             f"{MANIFEST}): the finished model would replace what is there",
                             hint="pass a new or empty folder, or --force to replace it")
-    init = recipe.model.pretrain.init
-    if init is not None:
-        from pipelines.errors import UserError
-        from pipelines.inputs import check_model
-
-        if not Path(init).expanduser().is_dir():
-            raise UserError(f"model.pretrain.init {init} is not a model folder",
-                            hint="pass a local model folder, e.g. pipelines/models/weights/tiny-small")
-        check_model(init, "model.pretrain.init")
-        if out is not None and out.resolve() == Path(init).expanduser().resolve():
-            raise UserError(f"model.pretrain.init and --out are the same folder ({out})",
-                            hint="write the continued model elsewhere, then move it")
+    check_init(recipe.model.pretrain, out)
     st = Store(store)
     sd = stage_dir(recipe, "pretrain", run_id or f"pretrain-{tiny.size}-s{tiny.seed}",
                    runs_dir=None, store=st, recipe_path=str(config) if config else None)

@@ -105,6 +105,24 @@ def _save(model: Any, processor: Any, path: Path) -> None:
     processor.save_pretrained(path)
 
 
+def check_init(cfg: PretrainConfig, out: Path | None = None) -> None:
+    """``model.pretrain.init``, if set, is a loadable local model folder and not ``out``: a one-line
+    error before anything is written, not a traceback once pretraining starts."""
+    if cfg.init is None:
+        return
+    from pipelines.errors import UserError
+    from pipelines.inputs import check_model
+
+    init = Path(cfg.init).expanduser()
+    if not init.is_dir():
+        raise UserError(f"model.pretrain.init {cfg.init} is not a model folder",
+                        hint="pass a local model folder, e.g. pipelines/models/weights/tiny-small")
+    check_model(str(init), "model.pretrain.init")
+    if out is not None and out.resolve() == init.resolve():
+        raise UserError(f"model.pretrain.init and --out are the same folder ({out})",
+                        hint="write the continued model elsewhere, then move it")
+
+
 def init_record(path: Path) -> dict[str, Any]:
     """What continued pretraining started from: the folder, its files' sha256, its manifest."""
     manifest = path / MANIFEST

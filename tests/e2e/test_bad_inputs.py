@@ -195,6 +195,7 @@ CASES: dict[str, Case] = {
     "sft-run-id-empty": Case("sft --run-id ''", ("--run-id is empty",)),
     "run-run-id-slash": Case(f"run {TINY} --run-id a/b", ("'a/b'", "not a valid run id")),
     "prepare-base-model-missing": Case("data prepare --run-id p1 --set model.tiny=null --set model.base={i}/nope", ("model.base not found", "nope")),
+    "prepare-pretrain-init-missing": Case("data prepare --run-id p1 --set model.tiny.init=pretrain --set model.pretrain.init={i}/nope", ("model.pretrain.init", "nope", "is not a model folder")),
     "run-base-model-missing": Case(f"run {TINY} --run-id p1 --set model.tiny=null --set model.base={{i}}/model-empty", ("model.base folder", "model-empty", "is empty")),
     "run-unknown-dataset": Case(f"run {TINY} --run-id d2 --until data --set 'data.datasets=[nope]'", ("unknown dataset 'nope'",)),
     "run-sft-source-missing": Case(f"run {TINY} --run-id d1 --until data --set 'data.sft_sources=[scripted, {{i}}/nope]'", ("conversations file not found", "nope")),
