@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import random
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pipelines.core.records import Task
@@ -57,7 +58,14 @@ def _named_options(task: Task) -> str:
     same letter, and the value follows the name it belongs to. The name keeps its leading space so
     that it is the question's own token (`` cyan``, as in ``(A) cyan``); ``("cyan"`` would split
     into ``("`` and ``cyan``, a token the question never shows."""
-    return ", ".join(f'"{k}": (" {c}", {_rgb(c)})' for k, c in _options(task).items())
+    return options_entries(task.options, _rgb)
+
+
+def options_entries(options: Sequence[str], rgb: Callable[[str], tuple[int, int, int]]) -> str:
+    """``"A": (" cyan", (40, 200, 210)), ...``: each option's letter, its name (with the leading
+    space of the question's own token) and ``rgb(name)``. The pretraining curriculum writes the
+    same tables with random values."""
+    return ", ".join(f'"{chr(65 + i)}": (" {c}", {rgb(c)})' for i, c in enumerate(options))
 
 
 def _colour_in(question: str) -> str:

@@ -39,6 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pipelines.data.solvers import options_entries
 from pipelines.models.corpus import COLOURS, PROMPT_LINES, SHAPES, WORDS, builtin_corpus
 
 # Pieces of a chat, rendered exactly as the Qwen2-VL chat template renders them.
@@ -289,12 +290,10 @@ def make_table_code(rng: random.Random) -> Example:
     """An options question, then code that opens with the options table in the solvers' form:
     every option's name copied, in order (random RGB values: the palette is the SFT data's)."""
     options = rng.sample(COLOURS, rng.randint(2, 4))
-    letters = [chr(65 + i) for i in range(len(options))]
-    lines = option_lines(options)
-    q = (f"Question: {rng.choice(TABLE_QUESTIONS)}\n{lines}\n"
+    q = (f"Question: {rng.choice(TABLE_QUESTIONS)}\n{option_lines(options)}\n"
          "Answer with the option's letter from the given choices directly.")
-    table = ", ".join(f'"{k}": (" {o}", {tuple(rng.randint(0, 255) for _ in range(3))})'
-                      for k, o in zip(letters, options))
+    table = options_entries(options, lambda _: (rng.randint(0, 255), rng.randint(0, 255),
+                                                rng.randint(0, 255)))
     think = rng.choice(["I check every option's colour.", "For each option I find its pixels.",
                         "I mask each option's colour."])
     answer = f"{think}\n<code>\n```python\noptions = {{{table}}}\n"

@@ -151,7 +151,7 @@ def pretrain(cfg: PretrainConfig, *, size: str, seed: int, out: Path, work: Path
     if latest is not None or cfg.init:
         from transformers import AutoModelForImageTextToText, AutoProcessor
 
-        source = latest if latest is not None else Path(cfg.init)
+        source = latest if latest is not None else Path(cfg.init).expanduser()
         processor = AutoProcessor.from_pretrained(source)
         model = AutoModelForImageTextToText.from_pretrained(source, dtype=torch.float32)
     else:
@@ -232,7 +232,7 @@ def pretrain(cfg: PretrainConfig, *, size: str, seed: int, out: Path, work: Path
             "config": cfg.model_dump(mode="json"),
             "data": "generated on the fly: pipelines/models/curriculum.py, examples "
                     f"0..{cfg.steps * cfg.batch_size - 1} of seed {seed}",
-            "init": init_record(Path(cfg.init)) if cfg.init else None,
+            "init": init_record(Path(cfg.init).expanduser()) if cfg.init else None,
             "final_loss": last.get("loss"), "final_losses": {k: v for k, v in last.items()
                                                              if k.startswith("loss/")},
             "probe": scores, **describe_module(model),
