@@ -105,15 +105,20 @@ def _save(model: Any, processor: Any, path: Path) -> None:
     processor.save_pretrained(path)
 
 
+def init_path(cfg: PretrainConfig) -> Path | None:
+    """The folder a continued pretraining starts from (``model.pretrain.init``, ``~`` expanded)."""
+    return Path(cfg.init).expanduser() if cfg.init else None
+
+
 def check_init(cfg: PretrainConfig, out: Path | None = None) -> None:
     """``model.pretrain.init``, if set, is a loadable local model folder and not ``out``: a one-line
     error before anything is written, not a traceback once pretraining starts."""
-    if cfg.init is None:
+    init = init_path(cfg)
+    if init is None:
         return
     from pipelines.errors import UserError
     from pipelines.inputs import check_model
 
-    init = Path(cfg.init).expanduser()
     if not init.is_dir():
         raise UserError(f"model.pretrain.init {cfg.init} is not a model folder",
                         hint="pass a local model folder, e.g. pipelines/models/weights/tiny-small")
@@ -148,10 +153,11 @@ def pretrain(cfg: PretrainConfig, *, size: str, seed: int, out: Path, work: Path
         torch.set_num_threads(cfg.threads)
     ckpts = work / "checkpoints"
     latest = list_checkpoints(ckpts)[-1] if resume and list_checkpoints(ckpts) else None
-    if latest is not None or cfg.init:
+    init = init_path(cfg)
+    if latest is not None or init is not None:
         from transformers import AutoModelForImageTextToText, AutoProcessor
 
-        source = latest if latest is not None else Path(cfg.init).expanduser()
+        source = latest if latest is not None else init
         processor = AutoProcessor.from_pretrained(source)
         model = AutoModelForImageTextToText.from_pretrained(source, dtype=torch.float32)
     else:
@@ -232,7 +238,7 @@ def pretrain(cfg: PretrainConfig, *, size: str, seed: int, out: Path, work: Path
             "config": cfg.model_dump(mode="json"),
             "data": "generated on the fly: pipelines/models/curriculum.py, examples "
                     f"0..{cfg.steps * cfg.batch_size - 1} of seed {seed}",
-            "init": init_record(Path(cfg.init).expanduser()) if cfg.init else None,
+            "init": init_record(init) if init is not None else None,
             "final_loss": last.get("loss"), "final_losses": {k: v for k, v in last.items()
                                                              if k.startswith("loss/")},
             "probe": scores, **describe_module(model),
