@@ -152,7 +152,8 @@ def pretrain(cfg: PretrainConfig, *, size: str, seed: int, out: Path, work: Path
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     ckpts = work / "checkpoints"
-    latest = list_checkpoints(ckpts)[-1] if resume and list_checkpoints(ckpts) else None
+    found = list_checkpoints(ckpts) if resume else []
+    latest = found[-1] if found else None
     init = init_path(cfg)
     if latest is not None or init is not None:
         from transformers import AutoModelForImageTextToText, AutoProcessor
