@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from pyvision_cli.common import (
+    COMMAND_HELP,
     ConfigOpt,
     JsonOpt,
     SetOpt,
@@ -18,7 +19,7 @@ from pyvision_cli.common import (
     print_json,
 )
 
-app = make_app("Run one agent trajectory and show it turn by turn.", group=True)
+app = make_app(COMMAND_HELP["agent"], group=True)
 
 
 @command(app, "run")

@@ -26,6 +26,25 @@ from typer.core import TyperGroup
 from pipelines.console import err
 from pipelines.errors import DISK_REFUSED, UserError
 
+COMMAND_HELP: dict[str, str] = {
+    "run": "Run a recipe end to end: data, sft, rl, merge, eval, report.",
+    "data": "Synthesise, download, import, validate and export data.",
+    "sft": "Supervised fine-tuning on LLaMA-Factory.",
+    "rl": "RL with the PyVision rollout strategy (local engine or verl).",
+    "merge": "Merge a LoRA adapter or a verl checkpoint into a model folder.",
+    "eval": "Evaluate agentically on V*, HRBench, MathVerse, VSI-Bench.",
+    "report": "Results tables, training curves and an HTML report.",
+    "show": "Show trajectories in the terminal: a sample, or what changed.",
+    "agent": "Run one agent trajectory and show it turn by turn.",
+    "sandbox": "Run code in the sandbox the agent uses.",
+    "model": "Build, pretrain and probe the tiny offline Qwen2.5-VL.",
+    "perf": "Benchmarks of the project's own speed (JSON with --json).",
+    "doctor": "Check the installation: packages, devices, sandbox, store, hub.",
+}
+"""Each command's one-line help (module ``pyvision_cli.<name>``), in the order ``pyvision --help``
+lists them, the pipeline first. The root help lists these lines without importing the command
+modules, and each module's app is made with the same line, so the two cannot drift apart."""
+
 
 def debug_enabled() -> bool:
     return os.environ.get("PYVISION_DEBUG", "").lower() in ("1", "true", "yes")

@@ -9,6 +9,7 @@ import typer
 from rich.markup import escape
 
 from pyvision_cli.common import (
+    COMMAND_HELP,
     ConfigOpt,
     JsonOpt,
     RunIdOpt,
@@ -21,7 +22,7 @@ from pyvision_cli.common import (
     print_json,
 )
 
-app = make_app("Synthesise, download, import, validate and export data.", group=True)
+app = make_app(COMMAND_HELP["data"], group=True)
 
 
 @command(app)

@@ -6,10 +6,9 @@ from typing import Annotated
 
 import typer
 
-from pyvision_cli.common import JsonOpt, StoreOpt, command, err, make_app, print_json
+from pyvision_cli.common import COMMAND_HELP, JsonOpt, StoreOpt, command, err, make_app, print_json
 
-app = make_app("Check the installation: packages, devices, sandbox, store, hub.",
-               no_args_is_help=False)
+app = make_app(COMMAND_HELP["doctor"], no_args_is_help=False)
 
 
 @command(app)

@@ -9,6 +9,7 @@ import typer
 
 from pyvision_cli.common import (
     APP_SETTINGS,
+    COMMAND_HELP,
     ConfigOpt,
     JsonOpt,
     PyVisionGroup,
@@ -22,7 +23,7 @@ from pyvision_cli.common import (
     print_json,
 )
 
-app = typer.Typer(help="Evaluate agentically on V*, HRBench, MathVerse, VSI-Bench and synthetic sets.",
+app = typer.Typer(help=COMMAND_HELP["eval"] + "\n\nAlso the synthetic held-out sets: synth-image, synth-video.",
                   cls=PyVisionGroup, invoke_without_command=True, no_args_is_help=False,
                   **APP_SETTINGS)
 

@@ -18,24 +18,10 @@ import typer
 from typer import _click as click
 from typer.core import TyperCommand
 
-from pyvision_cli.common import PyVisionGroup, make_app
+from pyvision_cli.common import COMMAND_HELP, PyVisionGroup, make_app
 
-# name -> (module, one-line help). Order is the order shown in --help: the pipeline first.
-COMMANDS: dict[str, tuple[str, str]] = {
-    "run": ("pyvision_cli.run", "Run a recipe end to end: data, sft, rl, merge, eval, report."),
-    "data": ("pyvision_cli.data", "Synthesise, download, import, validate and export data."),
-    "sft": ("pyvision_cli.sft", "Supervised fine-tuning on LLaMA-Factory."),
-    "rl": ("pyvision_cli.rl", "RL with the PyVision rollout strategy (local engine or verl)."),
-    "merge": ("pyvision_cli.merge", "Merge a LoRA adapter or a verl checkpoint into a model."),
-    "eval": ("pyvision_cli.eval", "Evaluate agentically on V*, HRBench, MathVerse, VSI-Bench."),
-    "report": ("pyvision_cli.report", "Results tables, training curves and an HTML report."),
-    "show": ("pyvision_cli.show", "Show trajectories in the terminal: a sample, or what changed."),
-    "agent": ("pyvision_cli.agent", "Run one agent trajectory and show it turn by turn."),
-    "sandbox": ("pyvision_cli.sandbox", "Run code in the sandbox the agent uses."),
-    "model": ("pyvision_cli.model", "Build models (a tiny offline Qwen2.5-VL)."),
-    "perf": ("pyvision_cli.perf", "Benchmarks of the project's own speed, as JSON."),
-    "doctor": ("pyvision_cli.doctor", "Check the installation: packages, devices, sandbox, hub."),
-}
+# name -> (module, one-line help), in the order shown in --help.
+COMMANDS: dict[str, tuple[str, str]] = {name: (f"pyvision_cli.{name}", line) for name, line in COMMAND_HELP.items()}
 
 
 class LazyRootGroup(PyVisionGroup):

@@ -8,10 +8,9 @@ from typing import Annotated, Literal
 import typer
 from rich.markup import escape
 
-from pyvision_cli.common import JsonOpt, command, err, make_app, print_json
+from pyvision_cli.common import COMMAND_HELP, JsonOpt, command, err, make_app, print_json
 
-app = make_app("Merge a LoRA adapter or a verl checkpoint into a Hugging Face model.",
-               no_args_is_help=True)
+app = make_app(COMMAND_HELP["merge"], no_args_is_help=True)
 
 
 @command(app)

@@ -9,6 +9,7 @@ import typer
 from rich.markup import escape
 
 from pyvision_cli.common import (
+    COMMAND_HELP,
     ConfigOpt,
     ForceOpt,
     JsonOpt,
@@ -22,7 +23,7 @@ from pyvision_cli.common import (
     print_json,
 )
 
-app = make_app("Build, pretrain and probe the tiny offline Qwen2.5-VL.", group=True)
+app = make_app(COMMAND_HELP["model"], group=True)
 
 
 @command(app)

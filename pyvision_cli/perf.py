@@ -7,9 +7,9 @@ from typing import Annotated, Literal
 import typer
 
 from pipelines.errors import UserError
-from pyvision_cli.common import JsonOpt, SetOpt, command, err, make_app, print_json
+from pyvision_cli.common import COMMAND_HELP, JsonOpt, SetOpt, command, err, make_app, print_json
 
-app = make_app("Benchmarks of the project's own speed (JSON with --json).", group=True)
+app = make_app(COMMAND_HELP["perf"], group=True)
 
 
 @command(app, "sandbox")

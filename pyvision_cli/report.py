@@ -8,9 +8,9 @@ from typing import Annotated, Literal
 import typer
 
 from pipelines.errors import UserError
-from pyvision_cli.common import StoreOpt, command, err, make_app, print_json
+from pyvision_cli.common import COMMAND_HELP, StoreOpt, command, err, make_app, print_json
 
-app = make_app("Results tables, training curves and an HTML report.", no_args_is_help=False)
+app = make_app(COMMAND_HELP["report"], no_args_is_help=False)
 
 
 @command(app)

@@ -9,6 +9,7 @@ from rich.markup import escape
 
 from pipelines.errors import UserError
 from pyvision_cli.common import (
+    COMMAND_HELP,
     RERUN_CONFIG_HINT,
     ConfigOpt,
     JsonOpt,
@@ -24,7 +25,7 @@ from pyvision_cli.common import (
     print_json,
 )
 
-app = make_app("RL with the PyVision rollout strategy (local engine or verl).", no_args_is_help=False)
+app = make_app(COMMAND_HELP["rl"], no_args_is_help=False)
 
 
 @command(app)

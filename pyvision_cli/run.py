@@ -8,6 +8,7 @@ from typing import Annotated, Literal
 import typer
 
 from pyvision_cli.common import (
+    COMMAND_HELP,
     ForceOpt,
     JsonOpt,
     RunIdOpt,
@@ -23,7 +24,7 @@ from pyvision_cli.common import (
 # pipelines.rundir.STAGES, spelled out so that --help imports nothing (checked by
 # tests/pyvision_cli/test_cli.py).
 Stage = Literal["data", "sft", "rl", "merge", "eval", "report"]
-app = make_app("Run a recipe end to end: data, sft, rl, merge, eval, report.")
+app = make_app(COMMAND_HELP["run"])
 
 
 @command(app)

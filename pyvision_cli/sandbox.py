@@ -7,9 +7,9 @@ from typing import Annotated, Literal
 
 import typer
 
-from pyvision_cli.common import JsonOpt, command, err, make_app, print_json
+from pyvision_cli.common import COMMAND_HELP, JsonOpt, command, err, make_app, print_json
 
-app = make_app("Run code in the sandbox the agent uses.", group=True)
+app = make_app(COMMAND_HELP["sandbox"], group=True)
 
 
 @command(app, "run")

@@ -8,6 +8,7 @@ import typer
 from rich.markup import escape
 
 from pyvision_cli.common import (
+    COMMAND_HELP,
     RERUN_CONFIG_HINT,
     ConfigOpt,
     JsonOpt,
@@ -23,7 +24,7 @@ from pyvision_cli.common import (
     print_json,
 )
 
-app = make_app("Supervised fine-tuning on LLaMA-Factory.", no_args_is_help=False)
+app = make_app(COMMAND_HELP["sft"], no_args_is_help=False)
 
 
 @command(app)

@@ -7,9 +7,9 @@ from typing import Annotated
 
 import typer
 
-from pyvision_cli.common import JsonOpt, StoreOpt, command, err, make_app, print_json
+from pyvision_cli.common import COMMAND_HELP, JsonOpt, StoreOpt, command, err, make_app, print_json
 
-app = make_app("Show trajectories in the terminal: a sample, or those whose verdict changed.")
+app = make_app(COMMAND_HELP["show"])
 
 
 @command(app)

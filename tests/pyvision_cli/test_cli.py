@@ -29,8 +29,17 @@ def test_help_lists_every_command_without_importing_them():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     # No heavy import is what keeps --help fast (~0.3 s); a wall-clock bound flakes on a busy box.
     assert out.stdout.strip().splitlines()[-1] == "[]"
-    for name in COMMANDS:
-        assert name in out.stdout
+    listing = " ".join(out.stdout.split())
+    for name, (_, line) in COMMANDS.items():
+        assert f"{name} {line}" in listing, name
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_each_command_shows_the_root_listings_line(name):
+    """Each command module's app is made with the line `pyvision --help` lists for it (a command
+    group, such as `pyvision model`, shows it atop its own --help)."""
+    app = importlib.import_module(COMMANDS[name][0]).app
+    assert app.info.help.split("\n\n")[0] == COMMANDS[name][1]
 
 
 @pytest.mark.parametrize("name", sorted(COMMANDS))
