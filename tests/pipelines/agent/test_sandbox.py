@@ -26,10 +26,16 @@ from tests.helpers import REPO
 strict = pytest.mark.skipif(not bwrap_available(), reason="bubblewrap missing: CI installs it")
 
 
+def _red_sandbox(timeout_s: float) -> Sandbox:
+    """A sandbox holding one small red image, strict where bubblewrap is installed."""
+    return Sandbox(SandboxConfig(timeout_s=timeout_s,
+                                 isolation="bwrap" if bwrap_available() else "auto"),
+                   images={"image_clue_0": Image.new("RGB", (64, 48), (250, 0, 0))})
+
+
 @pytest.fixture
 def sbx():
-    with Sandbox(SandboxConfig(timeout_s=10, isolation="bwrap" if bwrap_available() else "auto"),
-                 images={"image_clue_0": Image.new("RGB", (64, 48), (250, 0, 0))}) as s:
+    with _red_sandbox(timeout_s=10) as s:
         yield s
 
 
@@ -109,8 +115,7 @@ def test_fork_bomb_is_contained(sbx):
 def test_memory_bomb_is_oom():
     # About 40 allocations reach the 2 GB limit in 1-2 s; the limit on time is far above that, so
     # a busy machine (a CI run once hit the fixture's 10 s) cannot turn the OOM into a timeout.
-    with Sandbox(SandboxConfig(timeout_s=120, isolation="bwrap" if bwrap_available() else "auto"),
-                 images={"image_clue_0": Image.new("RGB", (64, 48), (250, 0, 0))}) as sbx:
+    with _red_sandbox(timeout_s=120) as sbx:
         result = sbx.run("blocks = []\nwhile True:\n    blocks.append(bytearray(50 * 1024 * 1024))")
         assert result.status == "oom", result
         # The runtime survives a MemoryError and keeps its state.
