@@ -16,18 +16,15 @@ from __future__ import annotations
 
 import ast
 import re
-import shlex
 
 import pytest
-import typer
-from typer._click.core import Command, Context
-from typer._click.exceptions import MissingParameter, UsageError
-from typer.core import TyperGroup as Group
+from typer._click.exceptions import UsageError
 
 from pipelines.config.loader import _valid_keys
 from pipelines.config.recipe import Recipe
 from pipelines.errors import UserError
-from pyvision_cli.main import COMMANDS, app
+from pyvision_cli.main import COMMANDS
+from tests.command_lines import PLACEHOLDER, all_flags, parse_command_line
 from tests.helpers import REPO as ROOT
 
 SOURCES = ("pipelines", "benchmarks", "pyvision_cli")
@@ -50,7 +47,6 @@ def _error_calls() -> set[str]:
 
 
 ERROR_CALLS = _error_calls()
-PLACEHOLDER = "X"
 # Hints owned by work in flight elsewhere, each with the text it still holds. The test fails
 # when one is fixed, so that this list only ever shrinks.
 KNOWN: dict[tuple[str, str], str] = {}
@@ -101,54 +97,6 @@ def collect_texts() -> list[tuple[str, str]]:
 
 
 TEXTS = collect_texts()
-
-
-def _root() -> Group:
-    return typer.main.get_command(app)
-
-
-def _base_make_context(cmd: Command):
-    """The command's make_context without pyvision's one-line conversion (which exits)."""
-    for cls in type(cmd).__mro__:
-        if not cls.__module__.startswith("pyvision_cli") and "make_context" in vars(cls):
-            return vars(cls)["make_context"].__get__(cmd)
-    raise AssertionError(type(cmd))  # pragma: no cover
-
-
-def parse_command_line(line: str) -> None:
-    """Parse ``pyvision ...`` against the real CLI; raise UsageError for anything unknown."""
-    args = shlex.split(line)[1:]
-    # Placeholders (PATH, DIR, N, X ...) stand for values: give them one every type accepts.
-    args = [("1" if re.fullmatch(r"[A-Z_\[\],.]+|X", a) else a) for a in args]
-    cmd: Command = _root()
-    ctx = _base_make_context(cmd)("pyvision", list(args), resilient_parsing=False)
-    while isinstance(cmd, Group):
-        rest = [*ctx._protected_args, *ctx.args]
-        if not rest:
-            return
-        name, sub, rest = cmd.resolve_command(ctx, rest)
-        assert sub is not None, line
-        cmd = sub
-        try:
-            ctx = _base_make_context(cmd)(name, rest, parent=ctx)
-        except MissingParameter:
-            return  # the command is named; its required options are the reader's to add
-
-
-def all_flags() -> set[str]:
-    flags: set[str] = set()
-
-    def walk(cmd: Command, ctx: Context) -> None:
-        for param in cmd.params:
-            flags.update(o for o in [*param.opts, *param.secondary_opts] if o.startswith("--"))
-        if isinstance(cmd, Group):
-            for name in cmd.list_commands(ctx):
-                sub = cmd.get_command(ctx, name)
-                walk(sub, Context(sub, parent=ctx, info_name=name))
-
-    root = _root()
-    walk(root, Context(root, info_name="pyvision"))
-    return flags
 
 
 COMMAND_RE = re.compile(r"`(pyvision [^`]+)`|(?<![`\w])(pyvision (?:" + "|".join(COMMANDS)
