@@ -30,11 +30,16 @@ DOCS = sorted([REPO / "README.md", REPO / "CHANGELOG.md", REPO / "tests" / "READ
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
+def _is_fence(line: str) -> bool:
+    """Whether ``line`` opens or closes a fenced code block (indented ones in lists too)."""
+    return line.lstrip().startswith("```")
+
+
 def _prose(text: str) -> list[str]:
     """The file's lines outside fenced code blocks."""
     lines, fenced = [], False
     for line in text.splitlines():
-        if line.lstrip().startswith("```"):
+        if _is_fence(line):
             fenced = not fenced
         elif not fenced:
             lines.append(line)
@@ -107,7 +112,7 @@ def command_lines(text: str) -> list[str]:
     leading ``VAR=value`` or shell keyword dropped) and from inline code (across line breaks)."""
     found, fenced, pending = [], False, None
     for line in text.splitlines():
-        if line.lstrip().startswith("```"):
+        if _is_fence(line):
             fenced, pending = not fenced, None
             continue
         if not fenced:
